@@ -1,0 +1,1 @@
+"""Pallas kernels and their pure-jnp references (installed as ``mimo_jax.kernels``)."""

@@ -1,0 +1,278 @@
+"""The run configuration: one frozen dataclass per concern, composed in :class:`Config`.
+
+``mimo_jax/main.py`` exposes every field as a flat absl flag of the same name (names
+are unique across concerns; a test checks) and builds a :class:`Config` once.  Field
+validation happens in each ``__post_init__``; checks that need several concerns, or the
+device count, happen in :func:`validate`.  Both run before any compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from mimo_jax.config_base import ConfigError, check, check_choices, field
+from mimo_jax.models.config import PRESETS, REMAT_POLICIES, ModelConfig, get_preset
+from mimo_jax.sharding import MeshConfig, validate_model_on_mesh
+
+DTYPE_CHOICES = ("", "float32", "bfloat16", "float16")
+
+
+def parse_int_list(name: str, text: str) -> tuple[int, ...]:
+  """Parses ``"64,128"`` into ``(64, 128)``; raises ConfigError naming the flag."""
+  try:
+    values = tuple(int(v) for v in text.split(",") if v.strip())
+  except ValueError:
+    raise ConfigError(f"--{name}={text!r}: expected a comma-separated list of integers") from None
+  check(len(values) > 0 and all(v > 0 for v in values), name, text, "expected positive integers")
+  return values
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """Which model to build or load, and its numerics."""
+
+  model_preset: str = field("tiny", "Model preset.", choices=tuple(PRESETS))
+  hf_checkpoint: str = field("", "Hugging Face checkpoint directory to load instead of random preset weights.")
+  param_dtype: str = field("", "Parameter dtype (empty: the preset's).", choices=DTYPE_CHOICES)
+  compute_dtype: str = field("", "Matmul dtype (empty: the preset's).", choices=DTYPE_CHOICES)
+  remat: str = field("", "Layer rematerialisation (empty: the preset's).", choices=("",) + REMAT_POLICIES)
+  vocab_size: int = field(0, "Override the preset's vocabulary size (0: keep; set from the tokenizer).")
+  max_seq_len: int = field(0, "Override the preset's maximum sequence length (0: keep).")
+
+  def __post_init__(self):
+    check_choices(self)
+    check(self.vocab_size >= 0, "vocab_size", self.vocab_size, "must be >= 0")
+    check(self.max_seq_len >= 0, "max_seq_len", self.max_seq_len, "must be >= 0")
+
+  def model_config(self) -> ModelConfig:
+    """The resolved ModelConfig for a preset (HF checkpoints resolve their own on load)."""
+    cfg = get_preset(self.model_preset)
+    changes: dict[str, Any] = {}
+    if self.param_dtype:
+      changes["param_dtype"] = self.param_dtype
+    if self.compute_dtype:
+      changes["dtype"] = self.compute_dtype
+    if self.remat:
+      changes["remat"] = self.remat
+    if self.vocab_size:
+      changes["vocab_size"] = self.vocab_size
+    if self.max_seq_len:
+      changes["max_seq_len"] = self.max_seq_len
+    return cfg.replace(**changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """Generation: buckets, lengths and sampling parameters."""
+
+  num_samples: int = field(8, "Samples per prompt (the GRPO group size G).")
+  prompt_buckets: str = field("32,64,128", "Comma-separated prompt bucket lengths (prompts are left-padded to one).")
+  max_new_tokens: int = field(64, "Maximum completion length (static; completions are padded to it).")
+  temperature: float = field(1.0, "Sampling temperature at the start of training (0: greedy).")
+  temperature_final: float = field(-1.0, "Temperature at the end of training (linear schedule; -1: constant).")
+  top_p: float = field(1.0, "Nucleus sampling mass (1: off).")
+  top_k: int = field(0, "Top-k sampling (0: off).")
+
+  def __post_init__(self):
+    parse_int_list("prompt_buckets", self.prompt_buckets)
+    check(self.num_samples >= 1, "num_samples", self.num_samples, "must be >= 1")
+    check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
+    check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
+    check(
+      self.temperature_final == -1.0 or self.temperature_final >= 0,
+      "temperature_final",
+      self.temperature_final,
+      "must be -1 (constant) or >= 0",
+    )
+    check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+    check(self.top_k >= 0, "top_k", self.top_k, "must be >= 0")
+
+  @property
+  def buckets(self) -> tuple[int, ...]:
+    return tuple(sorted(parse_int_list("prompt_buckets", self.prompt_buckets)))
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoConfig:
+  """The RL algorithm: advantage estimator, policy loss, KL and entropy terms."""
+
+  advantage: str = field(
+    "grpo", "Advantage estimator.", choices=("grpo", "drgrpo", "rloo", "reinforce_baseline", "gae")
+  )
+  policy_loss: str = field("ppo", "Policy loss.", choices=("ppo", "gspo", "cispo"))
+  loss_agg: str = field(
+    "token-mean",
+    "Loss aggregation.",
+    choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+  )
+  clip_low: float = field(0.2, "PPO lower clip epsilon (ratio >= 1 - clip_low).")
+  clip_high: float = field(0.28, "PPO upper clip epsilon (clip-higher: ratio <= 1 + clip_high).")
+  clip_c: float = field(3.0, "Dual-clip constant for negative advantages (> 1).")
+  kl_coef: float = field(0.001, "Initial KL coefficient to the reference policy (0: no reference).")
+  kl_estimator: str = field("k3", "KL estimator.", choices=("k1", "k2", "k3", "abs"))
+  entropy_coef: float = field(0.0, "Entropy bonus coefficient.")
+  ppo_epochs: int = field(1, "Passes over each rollout batch.")
+  num_minibatches: int = field(1, "Minibatches per pass.")
+  grad_accum: int = field(1, "Micro-batches per minibatch (gradient accumulation).")
+  use_value_model: bool = field(False, "Train a value model (PPO with GAE).")
+
+  def __post_init__(self):
+    check_choices(self)
+    check(0 <= self.clip_low < 1, "clip_low", self.clip_low, "must be in [0, 1)")
+    check(self.clip_high >= 0, "clip_high", self.clip_high, "must be >= 0")
+    check(self.clip_c > 1, "clip_c", self.clip_c, "must be > 1")
+    check(self.kl_coef >= 0, "kl_coef", self.kl_coef, "must be >= 0")
+    for name in ("ppo_epochs", "num_minibatches", "grad_accum"):
+      check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+    check(
+      self.advantage != "gae" or self.use_value_model,
+      "advantage",
+      self.advantage,
+      "gae needs a value model (--use_value_model)",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """AdamW with warm-up and cosine decay, global-norm clipping."""
+
+  learning_rate: float = field(1e-5, "Peak learning rate.")
+  warmup_steps: int = field(0, "Linear warm-up steps from 0.")
+  lr_schedule: str = field("cosine", "Decay after warm-up.", choices=("cosine", "constant"))
+  weight_decay: float = field(0.0, "AdamW weight decay.")
+  adam_b1: float = field(0.9, "Adam beta1.")
+  adam_b2: float = field(0.999, "Adam beta2.")
+  grad_clip: float = field(1.0, "Global-norm gradient clip (0: off).")
+
+  def __post_init__(self):
+    check_choices(self)
+    check(self.learning_rate > 0, "learning_rate", self.learning_rate, "must be > 0")
+    check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+    check(0 <= self.adam_b1 < 1, "adam_b1", self.adam_b1, "must be in [0, 1)")
+    check(0 <= self.adam_b2 < 1, "adam_b2", self.adam_b2, "must be in [0, 1)")
+    check(self.grad_clip >= 0, "grad_clip", self.grad_clip, "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Prompt data."""
+
+  task: str = field("arith", "Prompt source.", choices=("arith", "gsm8k", "humaneval", "jsonl"))
+  data_path: str = field("", "Path to the dataset file (gsm8k/humaneval/jsonl); empty: the shipped sample.")
+  tokenizer_path: str = field("", "Tokenizer (.model, tokenizer.json or an HF directory); empty: built-in.")
+  prompts_per_step: int = field(8, "Prompts per training step (each sampled num_samples times).")
+  eval_prompts: int = field(64, "Held-out prompts per evaluation.")
+
+  def __post_init__(self):
+    check_choices(self)
+    check(self.prompts_per_step >= 1, "prompts_per_step", self.prompts_per_step, "must be >= 1")
+    check(self.eval_prompts >= 0, "eval_prompts", self.eval_prompts, "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Orbax checkpoints of the train state."""
+
+  checkpoint_every: int = field(0, "Save every N steps (0: only at the end).")
+  keep_last: int = field(3, "Checkpoints to keep.")
+  resume: bool = field(True, "Resume from the run directory's latest checkpoint if there is one.")
+
+  def __post_init__(self):
+    check(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every, "must be >= 0")
+    check(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+  """Where and how often the run reports."""
+
+  run_dir: str = field("", "Run directory (default runs/<experiment>-<timestamp>).")
+  log_every: int = field(1, "Print a progress line every N steps.")
+  tensorboard: bool = field(True, "Write TensorBoard event files.")
+
+  def __post_init__(self):
+    check(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """The job itself."""
+
+  experiment: str = field("default", "Experiment name (used in the run directory).")
+  mode: str = field("smoke", "What to run.", choices=("smoke",))
+  seed: int = field(0, "Random seed of the whole run.")
+  max_steps: int = field(10, "RL steps.")
+  sft_steps: int = field(0, "Supervised warm-start steps before RL.")
+  eval_every: int = field(0, "Evaluate every N steps (0: only at the start and end).")
+  dry_run: bool = field(False, "Build and AOT-compile everything abstractly, print memory, exit.")
+
+  def __post_init__(self):
+    check_choices(self)
+    check(self.max_steps >= 0, "max_steps", self.max_steps, "must be >= 0")
+    check(self.sft_steps >= 0, "sft_steps", self.sft_steps, "must be >= 0")
+    check(self.eval_every >= 0, "eval_every", self.eval_every, "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """The whole run configuration."""
+
+  run: RunConfig = RunConfig()
+  model: ModelSpec = ModelSpec()
+  mesh: MeshConfig = MeshConfig()
+  rollout: RolloutConfig = RolloutConfig()
+  algo: AlgoConfig = AlgoConfig()
+  optim: OptimConfig = OptimConfig()
+  data: DataConfig = DataConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  logging: LoggingConfig = LoggingConfig()
+
+  def to_dict(self) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(self)
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+CONCERN_CLASSES: dict[str, type] = {
+  "run": RunConfig,
+  "model": ModelSpec,
+  "mesh": MeshConfig,
+  "rollout": RolloutConfig,
+  "algo": AlgoConfig,
+  "optim": OptimConfig,
+  "data": DataConfig,
+  "checkpoint": CheckpointConfig,
+  "logging": LoggingConfig,
+}
+
+
+def validate(cfg: Config, num_devices: int) -> None:
+  """Cross-concern checks that need the device count; raises ConfigError."""
+  cfg.mesh.resolve(num_devices)
+  if not cfg.model.hf_checkpoint:
+    validate_model_on_mesh(cfg.model.model_config(), cfg.mesh, num_devices)
+  check(
+    cfg.algo.advantage not in ("grpo", "drgrpo", "rloo") or cfg.rollout.num_samples >= 2,
+    "num_samples",
+    cfg.rollout.num_samples,
+    f"group advantages ({cfg.algo.advantage}) need at least 2 samples per prompt",
+  )
+  batch = cfg.data.prompts_per_step * cfg.rollout.num_samples
+  check(
+    batch % cfg.algo.num_minibatches == 0,
+    "num_minibatches",
+    cfg.algo.num_minibatches,
+    f"must divide the rollout batch prompts_per_step*num_samples={batch}",
+  )
+  if cfg.model.max_seq_len == 0 and not cfg.model.hf_checkpoint:
+    longest = max(cfg.rollout.buckets) + cfg.rollout.max_new_tokens
+    limit = cfg.model.model_config().max_seq_len
+    check(
+      longest <= limit,
+      "max_new_tokens",
+      cfg.rollout.max_new_tokens,
+      f"longest prompt bucket + max_new_tokens = {longest} exceeds the model's max_seq_len {limit}",
+    )

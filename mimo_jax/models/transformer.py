@@ -1,0 +1,461 @@
+"""Decoder-only transformer (Llama 2/3, Qwen2/2.5 family) as Flax NNX modules.
+
+Shapes use letters: B batch, T query length, S key length (cache slots), D model width,
+N query heads, K key/value heads, G = N // K heads per KV group, H head dim, F MLP width,
+V vocabulary, L layers.
+
+The layers are stacked (every layer parameter has a leading ``layers`` axis) and run
+with ``jax.lax.scan``, so compile time does not grow with depth; the scanned body is
+optionally rematerialised.  Norms, softmax and logits are float32 whatever the
+parameter and compute dtypes are.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mimo_jax.models.config import ModelConfig, RopeScaling
+from mimo_jax.sharding import constrain
+
+_INIT_STD = 0.02
+_MASK_VALUE = -1e30  # finite, so a fully masked row (a pad query) stays NaN-free
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype) -> jax.Array:
+  return (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+# ----------------------------------------------------------------------------
+# RoPE
+# ----------------------------------------------------------------------------
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+  """Inverse frequencies ``[H/2]`` (float32), with optional linear or Llama-3 scaling."""
+  inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+  if scaling is None:
+    pass
+  elif scaling.kind == "linear":
+    inv_freq = inv_freq / scaling.factor
+  elif scaling.kind == "llama3":
+    # Llama 3.1: keep high frequencies, divide low frequencies by `factor`, and
+    # interpolate smoothly in between (wavelength bands set by the two factors).
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+      scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    inv_freq = np.where(medium, smoothed, scaled)
+  else:  # pragma: no cover - RopeScaling validates kind
+    raise ValueError(scaling.kind)
+  return inv_freq.astype(np.float32)
+
+
+def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotates ``x`` by position (the half-split convention of Hugging Face Llama/Qwen2)."""
+  # [B, T, H/2]
+  angles = positions_bt[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x = x_btnh.astype(jnp.float32)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_btnh.dtype)
+
+
+# ----------------------------------------------------------------------------
+# Layers
+# ----------------------------------------------------------------------------
+
+
+class RMSNorm(nnx.Module):
+  """Root-mean-square layer norm, computed in float32."""
+
+  def __init__(self, dim: int, eps: float, *, param_dtype):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with RoPE and an optional KV cache."""
+
+  def __init__(
+    self,
+    d_model: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    qkv_bias: bool,
+    o_bias: bool,
+    dtype,
+    param_dtype,
+    rngs: nnx.Rngs,
+  ):
+    D, N, K, H = d_model, num_heads, num_kv_heads, head_dim
+    self.num_heads, self.num_kv_heads, self.head_dim, self.dtype = N, K, H, dtype
+    self.w_q_dnh = nnx.Param(_normal(rngs, (D, N, H), param_dtype), logical_axes=("embed", "heads", "head_dim"))
+    self.w_k_dkh = nnx.Param(_normal(rngs, (D, K, H), param_dtype), logical_axes=("embed", "kv_heads", "head_dim"))
+    self.w_v_dkh = nnx.Param(_normal(rngs, (D, K, H), param_dtype), logical_axes=("embed", "kv_heads", "head_dim"))
+    self.w_o_nhd = nnx.Param(_normal(rngs, (N, H, D), param_dtype), logical_axes=("heads", "head_dim", "embed"))
+    if qkv_bias:
+      self.b_q_nh = nnx.Param(jnp.zeros((N, H), param_dtype), logical_axes=("heads", "head_dim"))
+      self.b_k_kh = nnx.Param(jnp.zeros((K, H), param_dtype), logical_axes=("kv_heads", "head_dim"))
+      self.b_v_kh = nnx.Param(jnp.zeros((K, H), param_dtype), logical_axes=("kv_heads", "head_dim"))
+    else:
+      self.b_q_nh = self.b_k_kh = self.b_v_kh = None
+    self.b_o_d = nnx.Param(jnp.zeros((D,), param_dtype), logical_axes=("norm",)) if o_bias else None
+
+  def __call__(
+    self,
+    x_btd: jax.Array,
+    positions_bt: jax.Array,
+    mask_bts: jax.Array,
+    inv_freq: np.ndarray,
+    kv_cache: tuple[jax.Array, jax.Array] | None = None,
+    cache_index: jax.Array | None = None,
+  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """Args: x [B,T,D]; positions [B,T]; mask [B,T,S] (True = attend); optional cache
+    (k, v) each [B,S,K,H] and the slot where this call's T tokens are written.
+
+    Returns: output [B,T,D] and the updated cache (or None).
+    """
+    dt = self.dtype
+    x = x_btd.astype(dt)
+    q = jnp.einsum("BTD,DNH->BTNH", x, self.w_q_dnh[...].astype(dt))
+    k = jnp.einsum("BTD,DKH->BTKH", x, self.w_k_dkh[...].astype(dt))
+    v = jnp.einsum("BTD,DKH->BTKH", x, self.w_v_dkh[...].astype(dt))
+    if self.b_q_nh is not None:
+      q = q + self.b_q_nh[...].astype(dt)
+      k = k + self.b_k_kh[...].astype(dt)
+      v = v + self.b_v_kh[...].astype(dt)
+    q = constrain(apply_rope(q, positions_bt, inv_freq), ("batch", "seq", "heads", "head_dim"))
+    k = constrain(apply_rope(k, positions_bt, inv_freq), ("batch", "seq", "kv_heads", "head_dim"))
+    v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+
+    if kv_cache is not None:
+      k_cache, v_cache = kv_cache
+      zero = jnp.zeros((), jnp.int32)
+      k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (zero, cache_index, zero, zero))
+      v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (zero, cache_index, zero, zero))
+      k, v = k_cache.astype(dt), v_cache.astype(dt)
+      new_cache = (k_cache, v_cache)
+    else:
+      new_cache = None
+
+    B, T, N, H = q.shape
+    K = self.num_kv_heads
+    # [B, T, K, G, H]: queries grouped by the KV head they share.
+    q = q.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+    scores = scores / np.sqrt(H).astype(np.float32)
+    scores = jnp.where(mask_bts[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, T, N, H)
+    out = constrain(out, ("batch", "seq", "heads", "head_dim"))
+    y = jnp.einsum("BTNH,NHD->BTD", out, self.w_o_nhd[...].astype(dt))
+    if self.b_o_d is not None:
+      y = y + self.b_o_d[...].astype(dt)
+    return y, new_cache
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, d_model: int, mlp_dim: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    self.dtype = dtype
+    self.w_gate_df = nnx.Param(_normal(rngs, (d_model, mlp_dim), param_dtype), logical_axes=("embed", "mlp"))
+    self.w_up_df = nnx.Param(_normal(rngs, (d_model, mlp_dim), param_dtype), logical_axes=("embed", "mlp"))
+    self.w_down_fd = nnx.Param(_normal(rngs, (mlp_dim, d_model), param_dtype), logical_axes=("mlp", "embed"))
+
+  def __call__(self, x_btd: jax.Array) -> jax.Array:
+    dt = self.dtype
+    x = x_btd.astype(dt)
+    gate = jnp.einsum("BTD,DF->BTF", x, self.w_gate_df[...].astype(dt))
+    up = jnp.einsum("BTD,DF->BTF", x, self.w_up_df[...].astype(dt))
+    h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+    return jnp.einsum("BTF,FD->BTD", h, self.w_down_fd[...].astype(dt))
+
+
+class Block(nnx.Module):
+  """Pre-norm transformer layer: x + attn(norm(x)); x + mlp(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, param_dtype=param_dtype)
+    self.attn = Attention(
+      cfg.d_model,
+      cfg.num_heads,
+      cfg.num_kv_heads,
+      cfg.resolved_head_dim,
+      qkv_bias=cfg.qkv_bias,
+      o_bias=cfg.o_bias,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+    )
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, param_dtype=param_dtype)
+    self.mlp = MLP(cfg.d_model, cfg.mlp_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, x, positions, mask, inv_freq, kv_cache=None, cache_index=None):
+    h, new_cache = self.attn(self.attn_norm(x), positions, mask, inv_freq, kv_cache, cache_index)
+    x = constrain(x + h.astype(x.dtype), ("batch", "seq", "act_embed"))
+    x = x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
+    return constrain(x, ("batch", "seq", "act_embed")), new_cache
+
+
+# ----------------------------------------------------------------------------
+# KV cache
+# ----------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Preallocated key/value cache for all layers.
+
+  Attributes:
+    k: ``[L, B, S, K, H]`` keys (compute dtype).
+    v: ``[L, B, S, K, H]`` values.
+    valid: ``[B, S]`` bool, which slots hold real (non-padding) tokens.
+    index: int32 scalar, the next slot to write (shared by all rows: prompts are
+      left-padded to a common length, so every row writes the same slot).
+  """
+
+  k: jax.Array
+  v: jax.Array
+  valid: jax.Array
+  index: jax.Array
+
+  @classmethod
+  def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.resolved_head_dim)
+    return cls(
+      k=jnp.zeros(shape, dtype),
+      v=jnp.zeros(shape, dtype),
+      valid=jnp.zeros((batch, max_len), bool),
+      index=jnp.zeros((), jnp.int32),
+    )
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+
+KV_CACHE_LOGICAL_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+
+
+def positions_from_mask(mask_bt: jax.Array) -> jax.Array:
+  """Position ids ``[B, T]`` from a padding mask: 0, 1, ... over the real tokens.
+
+  Works for left- and right-padded batches (pad slots get the neighbouring position,
+  which is harmless because they are masked as keys).
+  """
+  return jnp.maximum(jnp.cumsum(mask_bt.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+# ----------------------------------------------------------------------------
+# Decoder stack
+# ----------------------------------------------------------------------------
+
+
+_REMAT_POLICIES = {
+  "full": None,
+  "dots": jax.checkpoint_policies.checkpoint_dots,
+  "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class Decoder(nnx.Module):
+  """Token embedding, the scanned stack of layers and the final norm (no head)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = cfg
+    param_dtype = jnp.dtype(cfg.param_dtype)
+    self.embed_vd = nnx.Param(
+      _normal(rngs, (cfg.vocab_size, cfg.d_model), param_dtype), logical_axes=("vocab", "embed")
+    )
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers", "logical_axes": "layers"})
+    def make_layers(rngs: nnx.Rngs) -> Block:
+      return Block(cfg, rngs=rngs)
+
+    self.layers = make_layers(rngs)
+    self.final_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, param_dtype=param_dtype)
+
+  def __call__(
+    self,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    mask_bt: jax.Array,
+    cache: KVCache | None = None,
+  ) -> tuple[jax.Array, KVCache | None]:
+    """Runs the stack.
+
+    Args:
+      tokens_bt: int32 ``[B, T]``.
+      positions_bt: int32 ``[B, T]`` RoPE positions.
+      mask_bt: bool ``[B, T]``, True for real tokens.
+      cache: optional KV cache; this call's tokens are written at ``cache.index``.
+
+    Returns:
+      Final-normed hidden states ``[B, T, D]`` (compute dtype) and the updated cache.
+    """
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    B, T = tokens_bt.shape
+    mask_bt = mask_bt.astype(bool)
+    x = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(dtype)
+    x = constrain(x, ("batch", "seq", "act_embed"))
+
+    if cache is None:
+      # [B, T, S=T]: causal within the call, padding keys masked.
+      causal = jnp.tril(jnp.ones((T, T), bool))
+      mask = causal[None] & mask_bt[:, None, :]
+      cache_index = None
+    else:
+      S = cache.max_len
+      cache_index = cache.index
+      valid = jax.lax.dynamic_update_slice(cache.valid, mask_bt, (jnp.zeros((), jnp.int32), cache_index))
+      # Query t sits in slot index + t and sees slots <= its own that hold real tokens.
+      q_slot = cache_index + jnp.arange(T)
+      mask = (jnp.arange(S)[None, :] <= q_slot[:, None])[None] & valid[:, None, :]
+
+    graphdef, layer_state = nnx.split(self.layers)
+    inv_freq = rope_inv_freq(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    if cache is None:
+
+      def body(x, state_l):
+        layer = nnx.merge(graphdef, state_l)
+        y, _ = layer(x, positions_bt, mask, inv_freq)
+        return y, None
+
+      if cfg.remat != "none":
+        body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+      x, _ = jax.lax.scan(body, x, layer_state)
+      new_cache = None
+    else:
+
+      def body(carry, xs):
+        x, k_all, v_all = carry
+        state_l, i = xs
+        layer = nnx.merge(graphdef, state_l)
+        kv = (k_all[i], v_all[i])
+        y, (k_l, v_l) = layer(x, positions_bt, mask, inv_freq, kv, cache_index)
+        # In-place write of this layer's slice keeps the cache update O(slice).
+        k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_l, i, axis=0)
+        v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_l, i, axis=0)
+        return (y, k_all, v_all), None
+
+      (x, k_all, v_all), _ = jax.lax.scan(body, (x, cache.k, cache.v), (layer_state, jnp.arange(cfg.num_layers)))
+      new_cache = KVCache(k=k_all, v=v_all, valid=valid, index=cache_index + T)
+
+    return self.final_norm(x), new_cache
+
+
+# ----------------------------------------------------------------------------
+# Heads
+# ----------------------------------------------------------------------------
+
+
+class Transformer(nnx.Module):
+  """Causal language model: ``model(tokens)`` maps int32 ``[B, T]`` to float32 logits ``[B, T, V]``."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = cfg
+    self.decoder = Decoder(cfg, rngs=rngs)
+    if cfg.tie_embeddings:
+      self.lm_head_dv = None
+    else:
+      self.lm_head_dv = nnx.Param(
+        _normal(rngs, (cfg.d_model, cfg.vocab_size), jnp.dtype(cfg.param_dtype)), logical_axes=("embed", "vocab")
+      )
+
+  def unembedding(self) -> jax.Array:
+    """The unembedding matrix ``[D, V]`` (the transposed embedding when tied)."""
+    if self.lm_head_dv is None:
+      return self.decoder.embed_vd[...].T
+    return self.lm_head_dv[...]
+
+  def logits_from_hidden(self, hidden_btd: jax.Array) -> jax.Array:
+    """float32 logits ``[B, T, V]`` from final hidden states."""
+    dt = jnp.dtype(self.config.dtype)
+    logits = jnp.einsum(
+      "BTD,DV->BTV", hidden_btd.astype(dt), self.unembedding().astype(dt), preferred_element_type=jnp.float32
+    )
+    return constrain(logits, ("batch", "seq", "vocab"))
+
+  def hidden(self, tokens_bt, *, attention_mask=None, positions=None, cache=None):
+    """Final hidden states ``[B, T, D]`` and the updated cache (see :meth:`Decoder.__call__`)."""
+    if attention_mask is None:
+      attention_mask = jnp.ones(tokens_bt.shape, bool)
+    if positions is None:
+      positions = positions_from_mask(attention_mask)
+    return self.decoder(tokens_bt, positions, attention_mask, cache)
+
+  def __call__(
+    self,
+    tokens_bt: jax.Array,
+    *,
+    attention_mask: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    cache: KVCache | None = None,
+  ) -> Any:
+    """Logits for a batch.
+
+    Args:
+      tokens_bt: int32 ``[B, T]``.
+      attention_mask: ``[B, T]``, 1 for real tokens, 0 for padding (left or right);
+        all ones by default.
+      positions: int32 ``[B, T]``; by default counted over the real tokens.
+      cache: optional KV cache; when given, returns ``(logits, new_cache)``.
+
+    Returns:
+      float32 logits ``[B, T, V]`` (and the updated cache when one is passed).
+    """
+    hidden, new_cache = self.hidden(tokens_bt, attention_mask=attention_mask, positions=positions, cache=cache)
+    logits = self.logits_from_hidden(hidden)
+    return logits if cache is None else (logits, new_cache)
+
+
+class ValueModel(nnx.Module):
+  """The same backbone with a scalar head: ``model(tokens)`` gives float32 values ``[B, T]``."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = cfg
+    self.decoder = Decoder(cfg, rngs=rngs)
+    self.value_head_d = nnx.Param(jnp.zeros((cfg.d_model,), jnp.float32), logical_axes=("embed",))
+    self.value_bias = nnx.Param(jnp.zeros((), jnp.float32), logical_axes=())
+
+  @classmethod
+  def from_policy(cls, policy: Transformer, *, rngs: nnx.Rngs | None = None) -> ValueModel:
+    """A value model whose backbone is a copy of ``policy``'s (head initialised to zero)."""
+    value = cls(policy.config, rngs=rngs or nnx.Rngs(0))
+    nnx.update(value.decoder, jax.tree.map(jnp.copy, nnx.state(policy.decoder)))
+    return value
+
+  def __call__(self, tokens_bt, *, attention_mask=None, positions=None) -> jax.Array:
+    if attention_mask is None:
+      attention_mask = jnp.ones(tokens_bt.shape, bool)
+    if positions is None:
+      positions = positions_from_mask(attention_mask)
+    hidden, _ = self.decoder(tokens_bt, positions, attention_mask)
+    return jnp.einsum("BTD,D->BT", hidden.astype(jnp.float32), self.value_head_d[...]) + self.value_bias[...]

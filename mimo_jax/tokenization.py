@@ -1,0 +1,774 @@
+"""One tokenizer interface, two backends: SentencePiece and Hugging Face ``tokenizers``.
+
+Everything downstream (rollout, reward parsing, data loading) talks to :class:`Tokenizer`
+and never to a backend library, so a model can switch between a ``.model`` file and a
+``tokenizer.json`` without touching the trainer.
+
+Conventions shared by both backends:
+
+* ``encode`` never adds special tokens on its own; ``add_bos`` / ``add_eos`` are the only
+  way BOS/EOS get in.  Backends that would add them implicitly (HF post-processors) are
+  told not to, so prompts are never double-prefixed.
+* ``decode`` with ``skip_special=True`` drops exactly the pad/BOS/EOS ids, identically
+  for both backends, and rejects ids outside the vocabulary instead of silently
+  rendering garbage (a sampler emitting an id past the real vocabulary is a bug worth
+  surfacing: padded embedding tables make that easy to hit).
+* ``pad_id`` is always a valid id (falls back to EOS), so padded arrays can be fed to an
+  embedding lookup without masking the ids first.
+
+:func:`train_sentencepiece` trains a small lossless model in memory, mostly for tests
+and toy experiments; :func:`load_tokenizer` picks a backend from a path on disk.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import io
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import sentencepiece as spm
+
+if TYPE_CHECKING:
+  import tokenizers
+
+__all__ = [
+  "CHAT_ROLES",
+  "HFTokenizer",
+  "PaddedBatch",
+  "SentencePieceTokenizer",
+  "Tokenizer",
+  "bucket_length",
+  "load_tokenizer",
+  "train_sentencepiece",
+]
+
+CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant")
+
+PathLike = str | os.PathLike[str]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PaddedBatch:
+  """A batch of token sequences padded to one bucket length.
+
+  ``eq=False`` because element-wise numpy comparison makes a generated ``__eq__``
+  ambiguous; compare the arrays explicitly instead.
+
+  Attributes:
+    ids: ``int32 [B, T]`` token ids; padding positions hold the tokenizer's pad id.
+    mask: ``bool [B, T]``, True at real tokens and False at padding.
+    lengths: ``int32 [B]`` number of real tokens per row.
+  """
+
+  ids: np.ndarray
+  mask: np.ndarray
+  lengths: np.ndarray
+
+  def __post_init__(self) -> None:
+    if self.ids.ndim != 2 or self.ids.shape != self.mask.shape or self.lengths.shape != self.ids.shape[:1]:
+      raise ValueError(
+        f"inconsistent PaddedBatch shapes: ids {self.ids.shape}, mask {self.mask.shape}, lengths {self.lengths.shape}"
+      )
+
+
+def bucket_length(n: int, buckets: Sequence[int]) -> int:
+  """Returns the smallest bucket length that holds ``n`` tokens.
+
+  Bucketing keeps the set of padded shapes small, so jitted functions compile once per
+  bucket instead of once per distinct batch length.
+
+  Args:
+    n: the length that must fit.
+    buckets: candidate lengths, in any order; each must be a positive integer.
+
+  Returns:
+    The smallest ``b`` in ``buckets`` with ``b >= n``.
+
+  Raises:
+    ValueError: if ``buckets`` is empty or holds a non-positive length, or if ``n``
+      exceeds every bucket.
+  """
+  ordered = sorted(int(b) for b in buckets)
+  if not ordered:
+    raise ValueError("buckets must not be empty")
+  if ordered[0] <= 0:
+    raise ValueError(f"bucket lengths must be positive, got {ordered}")
+  for b in ordered:
+    if b >= n:
+      return b
+  raise ValueError(f"longest sequence has length {n}, which fits none of the buckets {ordered}")
+
+
+class Tokenizer(abc.ABC):
+  """The tokenizer interface the rest of ``mimo_jax`` relies on.
+
+  Subclasses implement the backend-specific primitives (vocabulary, special ids,
+  ``_encode_plain`` / ``_decode_plain`` / ``_decode_keep_special``); padding, special-token
+  handling, id validation and the chat template live here so that both backends behave
+  identically.
+  """
+
+  # ---- backend primitives -------------------------------------------------------
+
+  @property
+  @abc.abstractmethod
+  def vocab_size(self) -> int:
+    """Number of ids the tokenizer can produce (valid ids are ``0 .. vocab_size - 1``)."""
+
+  @property
+  @abc.abstractmethod
+  def bos_id(self) -> int | None:
+    """The beginning-of-sequence id, or None if the vocabulary has no BOS token."""
+
+  @property
+  @abc.abstractmethod
+  def eos_id(self) -> int:
+    """The end-of-sequence id."""
+
+  @property
+  @abc.abstractmethod
+  def pad_id(self) -> int:
+    """The padding id; equal to :attr:`eos_id` when the vocabulary has no pad token."""
+
+  @abc.abstractmethod
+  def _encode_plain(self, texts: list[str]) -> list[list[int]]:
+    """Encodes texts without adding any special tokens."""
+
+  @abc.abstractmethod
+  def _decode_plain(self, ids: list[int]) -> str:
+    """Decodes ids that contain none of pad/BOS/EOS."""
+
+  @abc.abstractmethod
+  def _decode_keep_special(self, ids: list[int]) -> str:
+    """Decodes ids, rendering pad/BOS/EOS as their token text."""
+
+  # ---- public API ----------------------------------------------------------------
+
+  @property
+  def special_ids(self) -> frozenset[int]:
+    """The ids :meth:`decode` drops when ``skip_special`` is set: pad, BOS and EOS."""
+    ids = {self.eos_id, self.pad_id}
+    if self.bos_id is not None:
+      ids.add(self.bos_id)
+    return frozenset(ids)
+
+  def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+    """Encodes one string.
+
+    Args:
+      text: the text to encode.
+      add_bos: prepend :attr:`bos_id`.
+      add_eos: append :attr:`eos_id`.
+
+    Returns:
+      The token ids.
+
+    Raises:
+      ValueError: if ``add_bos`` is set but the tokenizer has no BOS token.
+    """
+    return self.encode_batch([text], add_bos=add_bos, add_eos=add_eos)[0]
+
+  def encode_batch(self, texts: Iterable[str], *, add_bos: bool = False, add_eos: bool = False) -> list[list[int]]:
+    """Encodes several strings; same semantics as :meth:`encode` applied to each.
+
+    Args:
+      texts: the texts to encode.
+      add_bos: prepend :attr:`bos_id` to every sequence.
+      add_eos: append :attr:`eos_id` to every sequence.
+
+    Returns:
+      One list of ids per input text, in order.
+
+    Raises:
+      TypeError: if an element of ``texts`` is not a string.
+      ValueError: if ``add_bos`` is set but the tokenizer has no BOS token.
+    """
+    texts = list(texts)
+    for i, t in enumerate(texts):
+      if not isinstance(t, str):
+        raise TypeError(f"texts[{i}] must be str, got {type(t).__name__}")
+    if add_bos and self.bos_id is None:
+      raise ValueError("add_bos=True but this tokenizer has no BOS token")
+    prefix = [self.bos_id] if add_bos else []
+    suffix = [self.eos_id] if add_eos else []
+    return [prefix + seq + suffix for seq in self._encode_plain(texts)]
+
+  def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+    """Decodes ids back to text.
+
+    Decoding does not stop at EOS; callers that want truncation do it on the ids.
+
+    Args:
+      ids: token ids (any integer sequence, including a 1-D numpy array).
+      skip_special: drop pad/BOS/EOS ids; otherwise they are rendered as their token text.
+
+    Returns:
+      The decoded string.
+
+    Raises:
+      ValueError: if an id is negative or ``>= vocab_size``; the message names it.
+    """
+    checked = self._check_ids(ids)
+    if skip_special:
+      specials = self.special_ids
+      return self._decode_plain([i for i in checked if i not in specials])
+    return self._decode_keep_special(checked)
+
+  def pad_batch(
+    self,
+    seqs: Sequence[Sequence[int]],
+    *,
+    buckets: Sequence[int],
+    side: Literal["left", "right"] = "left",
+  ) -> PaddedBatch:
+    """Pads sequences to the smallest bucket length that fits the longest one.
+
+    Left padding is the default because generation appends to the right end of every
+    row: with left padding all prompts end at the same column.
+
+    Args:
+      seqs: token id sequences.
+      buckets: allowed padded lengths (see :func:`bucket_length`).
+      side: where the padding goes, ``"left"`` or ``"right"``.
+
+    Returns:
+      A :class:`PaddedBatch` whose padding positions hold :attr:`pad_id`.
+
+    Raises:
+      ValueError: if ``side`` is invalid or the longest sequence fits no bucket.
+    """
+    if side not in ("left", "right"):
+      raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+    rows = [np.asarray(s, dtype=np.int64).reshape(-1) for s in seqs]
+    lengths = np.array([r.shape[0] for r in rows], dtype=np.int32)
+    longest = int(lengths.max()) if rows else 0
+    width = bucket_length(longest, buckets)
+    ids = np.full((len(rows), width), self.pad_id, dtype=np.int32)
+    mask = np.zeros((len(rows), width), dtype=bool)
+    for b, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+      start = width - n if side == "left" else 0
+      ids[b, start : start + n] = row
+      mask[b, start : start + n] = True
+    return PaddedBatch(ids=ids, mask=mask, lengths=lengths)
+
+  def apply_chat_template(
+    self,
+    messages: Sequence[Mapping[str, str]],
+    *,
+    add_generation_prompt: bool = True,
+  ) -> str:
+    """Renders a conversation with the package's simple chat format.
+
+    Each message becomes ``"<|{role}|>\\n{content}\\n"``; the result is a string (not ids)
+    so callers choose whether to add BOS when encoding it.
+
+    Args:
+      messages: mappings with ``"role"`` (one of :data:`CHAT_ROLES`) and ``"content"``.
+      add_generation_prompt: append ``"<|assistant|>\\n"`` so the model continues as the
+        assistant.
+
+    Returns:
+      The rendered conversation.
+
+    Raises:
+      ValueError: if a message lacks a key, has an unknown role, or non-string content.
+    """
+    pieces: list[str] = []
+    for i, message in enumerate(messages):
+      if "role" not in message or "content" not in message:
+        raise ValueError(f"messages[{i}] must have 'role' and 'content' keys, got keys {sorted(message)}")
+      role, content = message["role"], message["content"]
+      if role not in CHAT_ROLES:
+        raise ValueError(f"messages[{i}] has role {role!r}; expected one of {CHAT_ROLES}")
+      if not isinstance(content, str):
+        raise ValueError(f"messages[{i}] content must be str, got {type(content).__name__}")
+      pieces.append(f"<|{role}|>\n{content}\n")
+    if add_generation_prompt:
+      pieces.append("<|assistant|>\n")
+    return "".join(pieces)
+
+  # ---- helpers -------------------------------------------------------------------
+
+  def _check_ids(self, ids: Sequence[int]) -> list[int]:
+    raw = ids.reshape(-1).tolist() if isinstance(ids, np.ndarray) else ids
+    out = [int(i) for i in raw]
+    n = self.vocab_size
+    for pos, i in enumerate(out):
+      if i < 0 or i >= n:
+        raise ValueError(f"token id {i} at position {pos} is outside the vocabulary [0, {n})")
+    return out
+
+
+# ======================================================================================
+# SentencePiece
+# ======================================================================================
+
+
+class SentencePieceTokenizer(Tokenizer):
+  """A :class:`Tokenizer` backed by a serialized SentencePiece model.
+
+  The serialized proto is kept so the exact model can be written next to a checkpoint
+  (:meth:`model_proto_bytes`).
+  """
+
+  def __init__(self, model_proto: bytes) -> None:
+    """Loads a model from its serialized proto.
+
+    Args:
+      model_proto: the bytes of a ``.model`` file.
+
+    Raises:
+      ValueError: if the model has no EOS piece.
+    """
+    self._proto = bytes(model_proto)
+    self._sp = spm.SentencePieceProcessor(model_proto=self._proto)
+    eos = self._sp.eos_id()
+    if eos < 0:
+      raise ValueError("SentencePiece model has no EOS piece (eos_id = -1); one is required")
+    bos = self._sp.bos_id()
+    pad = self._sp.pad_id()
+    self._eos = eos
+    self._bos = bos if bos >= 0 else None
+    self._pad = pad if pad >= 0 else eos
+
+  @classmethod
+  def from_file(cls, path: PathLike) -> SentencePieceTokenizer:
+    """Loads a ``.model`` file.
+
+    Args:
+      path: path to the SentencePiece model file.
+
+    Returns:
+      The tokenizer.
+    """
+    with open(path, "rb") as f:
+      return cls(f.read())
+
+  @classmethod
+  def from_bytes(cls, model_proto: bytes) -> SentencePieceTokenizer:
+    """Loads a model from serialized bytes (e.g. :meth:`model_proto_bytes` output).
+
+    Args:
+      model_proto: the serialized model.
+
+    Returns:
+      The tokenizer.
+    """
+    return cls(model_proto)
+
+  def model_proto_bytes(self) -> bytes:
+    """Returns the serialized model, byte-identical to what was loaded or trained."""
+    return self._proto
+
+  @property
+  def processor(self) -> spm.SentencePieceProcessor:
+    """The underlying ``SentencePieceProcessor``, for backend-specific queries."""
+    return self._sp
+
+  @property
+  def vocab_size(self) -> int:
+    """Number of pieces in the model."""
+    return self._sp.get_piece_size()
+
+  @property
+  def bos_id(self) -> int | None:
+    """The BOS id, or None if the model defines none."""
+    return self._bos
+
+  @property
+  def eos_id(self) -> int:
+    """The EOS id."""
+    return self._eos
+
+  @property
+  def pad_id(self) -> int:
+    """The pad id, or the EOS id if the model defines no pad piece."""
+    return self._pad
+
+  def _encode_plain(self, texts: list[str]) -> list[list[int]]:
+    if not texts:
+      return []
+    return [list(seq) for seq in self._sp.encode(texts, out_type=int)]
+
+  def _decode_plain(self, ids: list[int]) -> str:
+    return self._sp.decode(ids) if ids else ""
+
+  def _decode_keep_special(self, ids: list[int]) -> str:
+    # SentencePiece always drops control pieces (pad/BOS/EOS) when decoding, so their
+    # text has to be spliced in.  Decoding the runs between them separately would be
+    # wrong for models with a dummy prefix (each run would lose its leading space), so
+    # decode the plain ids once and insert each special at the offset where the decoded
+    # prefix before it ends.
+    specials = self.special_ids
+    plain = [i for i in ids if i not in specials]
+    full = self._decode_plain(plain)
+    inserts: list[tuple[int, str]] = []
+    n_plain = 0
+    offset = 0
+    decoded_upto = 0
+    for i in ids:
+      if i not in specials:
+        n_plain += 1
+        continue
+      if decoded_upto != n_plain:
+        prefix = self._decode_plain(plain[:n_plain])
+        if not full.startswith(prefix):
+          # Prefix decoding is not a prefix of the whole (a special splitting a
+          # byte-fallback character): fall back to per-run decoding.
+          return self._decode_by_runs(ids)
+        offset, decoded_upto = len(prefix), n_plain
+      inserts.append((offset, self._sp.id_to_piece(i)))
+    parts: list[str] = []
+    last = 0
+    for pos, text in inserts:
+      parts.append(full[last:pos])
+      parts.append(text)
+      last = pos
+    parts.append(full[last:])
+    return "".join(parts)
+
+  def _decode_by_runs(self, ids: list[int]) -> str:
+    specials = self.special_ids
+    parts: list[str] = []
+    run: list[int] = []
+    for i in ids:
+      if i in specials:
+        parts.append(self._decode_plain(run))
+        parts.append(self._sp.id_to_piece(i))
+        run = []
+      else:
+        run.append(i)
+    parts.append(self._decode_plain(run))
+    return "".join(parts)
+
+
+def train_sentencepiece(
+  texts: Iterable[str],
+  *,
+  vocab_size: int,
+  model_type: str = "bpe",
+  user_defined_symbols: Sequence[str] = (),
+  byte_fallback: bool = True,
+  num_threads: int = 1,
+) -> SentencePieceTokenizer:
+  """Trains a lossless SentencePiece model in memory.
+
+  SentencePiece's defaults normalise text (NFKC, collapsing whitespace runs, adding a
+  leading space), which breaks exact round trips on code and arithmetic; this turns all
+  of that off and splits digits so numbers tokenize uniformly.  Ids are fixed to
+  ``pad=0, unk=1, bos=2, eos=3``.
+
+  Args:
+    texts: training sentences.  Each element is one sentence; it may contain newlines.
+    vocab_size: target vocabulary size.  Training may return fewer pieces when the corpus
+      is too small (``hard_vocab_limit=False``), never more.  With ``byte_fallback`` it
+      must cover the 256 byte pieces, the 4 special pieces and every distinct character.
+    model_type: ``"bpe"``, ``"unigram"``, ``"char"`` or ``"word"``.
+    user_defined_symbols: strings always kept as single pieces (e.g. chat markers).
+    byte_fallback: encode characters missing from the vocabulary as UTF-8 bytes instead
+      of ``<unk>``, keeping round trips exact for unseen text.
+    num_threads: trainer threads.  Unigram scores depend on the thread count (floating
+      point summation order), so it is pinned to keep model bytes reproducible.
+
+  Returns:
+    The trained tokenizer.
+
+  Raises:
+    ValueError: if training fails (typically ``vocab_size`` too small for the corpus).
+  """
+  writer = io.BytesIO()
+  try:
+    spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(texts),
+      model_writer=writer,
+      vocab_size=vocab_size,
+      model_type=model_type,
+      user_defined_symbols=list(user_defined_symbols),
+      byte_fallback=byte_fallback,
+      pad_id=0,
+      unk_id=1,
+      bos_id=2,
+      eos_id=3,
+      pad_piece="<pad>",
+      unk_piece="<unk>",
+      bos_piece="<s>",
+      eos_piece="</s>",
+      normalization_rule_name="identity",
+      add_dummy_prefix=False,
+      remove_extra_whitespaces=False,
+      split_digits=True,
+      hard_vocab_limit=False,
+      # Without this, runs of spaces can only be spelled one "▁" at a time, which makes
+      # indented code needlessly long.
+      allow_whitespace_only_pieces=True,
+      # Cover every character seen: the default (0.9995) maps rare characters to <unk>
+      # (or bytes), which is the wrong trade-off for small corpora.
+      character_coverage=1.0,
+      num_threads=num_threads,
+      minloglevel=2,
+    )
+  except RuntimeError as e:
+    raise ValueError(f"SentencePiece training failed (vocab_size={vocab_size}, model_type={model_type!r}): {e}") from e
+  return SentencePieceTokenizer(writer.getvalue())
+
+
+# ======================================================================================
+# Hugging Face tokenizers
+# ======================================================================================
+
+
+def _import_tokenizers() -> Any:
+  try:
+    import tokenizers
+  except ImportError as e:
+    raise ImportError("HFTokenizer needs the Hugging Face `tokenizers` package: pip install tokenizers") from e
+  return tokenizers
+
+
+def _token_content(value: Any) -> str | None:
+  """Extracts a token string from a ``tokenizer_config.json`` field (str, AddedToken dict or null)."""
+  if value is None:
+    return None
+  if isinstance(value, str):
+    return value
+  if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+    return value["content"]
+  raise ValueError(f"unrecognised special-token entry {value!r}: expected a string or a dict with 'content'")
+
+
+def _first_id(value: Any) -> int | None:
+  """Reads a ``config.json`` id field, which may be null, an int, or a list of ints."""
+  if value is None:
+    return None
+  if isinstance(value, list):
+    # Multi-EOS configs (e.g. end-of-text and end-of-turn) list the primary one first.
+    return int(value[0]) if value else None
+  return int(value)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+  with open(path, encoding="utf-8") as f:
+    data = json.load(f)
+  if not isinstance(data, dict):
+    raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+  return data
+
+
+class HFTokenizer(Tokenizer):
+  """A :class:`Tokenizer` backed by a Hugging Face ``tokenizers.Tokenizer`` (``tokenizer.json``)."""
+
+  def __init__(
+    self,
+    tokenizer: tokenizers.Tokenizer,
+    *,
+    eos_id: int,
+    bos_id: int | None = None,
+    pad_id: int | None = None,
+  ) -> None:
+    """Wraps an existing ``tokenizers.Tokenizer``.
+
+    Args:
+      tokenizer: the backend tokenizer.
+      eos_id: the EOS id.
+      bos_id: the BOS id, or None if there is none.
+      pad_id: the pad id; None falls back to ``eos_id``.
+
+    Raises:
+      ValueError: if a given id is outside the vocabulary.
+    """
+    _import_tokenizers()
+    self._tok = tokenizer
+    self._vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    for name, value in (("eos_id", eos_id), ("bos_id", bos_id), ("pad_id", pad_id)):
+      if value is not None and not 0 <= value < self._vocab_size:
+        raise ValueError(f"{name}={value} is outside the vocabulary [0, {self._vocab_size})")
+    self._eos = int(eos_id)
+    self._bos = None if bos_id is None else int(bos_id)
+    self._pad = self._eos if pad_id is None else int(pad_id)
+
+  @classmethod
+  def from_file(
+    cls,
+    path: PathLike,
+    *,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    pad_token: str | None = None,
+  ) -> HFTokenizer:
+    """Loads a ``tokenizer.json`` with explicitly named special tokens.
+
+    Args:
+      path: path to the ``tokenizer.json`` file.
+      bos_token: the BOS token text, or None for no BOS.
+      eos_token: the EOS token text (required).
+      pad_token: the pad token text; None falls back to EOS.
+
+    Returns:
+      The tokenizer.
+
+    Raises:
+      ValueError: if ``eos_token`` is missing or a named token is not in the vocabulary.
+    """
+    tk = _import_tokenizers()
+    tok = tk.Tokenizer.from_file(os.fspath(path))
+    if eos_token is None:
+      raise ValueError(f"HFTokenizer.from_file({os.fspath(path)!r}) needs eos_token")
+    return cls(
+      tok,
+      eos_id=cls._lookup(tok, eos_token, "eos_token", path),
+      bos_id=None if bos_token is None else cls._lookup(tok, bos_token, "bos_token", path),
+      pad_id=None if pad_token is None else cls._lookup(tok, pad_token, "pad_token", path),
+    )
+
+  @classmethod
+  def from_pretrained_dir(cls, directory: PathLike) -> HFTokenizer:
+    """Loads a Hugging Face model directory's tokenizer.
+
+    Reads ``tokenizer.json``; special tokens come from ``tokenizer_config.json``
+    (``bos_token`` / ``eos_token`` / ``pad_token``) when present, else from
+    ``config.json`` (``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``).
+
+    Args:
+      directory: the directory holding ``tokenizer.json``.
+
+    Returns:
+      The tokenizer.
+
+    Raises:
+      FileNotFoundError: if ``tokenizer.json`` is missing.
+      ValueError: if no EOS token can be determined or a named token is not in the vocabulary.
+    """
+    directory = os.fspath(directory)
+    return cls._from_json_and_configs(os.path.join(directory, "tokenizer.json"), directory)
+
+  @classmethod
+  def _from_json_and_configs(cls, json_path: str, config_dir: str) -> HFTokenizer:
+    if not os.path.isfile(json_path):
+      raise FileNotFoundError(f"no tokenizer.json at {json_path!r}")
+    tk = _import_tokenizers()
+    tok = tk.Tokenizer.from_file(json_path)
+
+    ids: dict[str, int | None] = {"bos": None, "eos": None, "pad": None}
+    tok_config_path = os.path.join(config_dir, "tokenizer_config.json")
+    if os.path.isfile(tok_config_path):
+      tok_config = _read_json(tok_config_path)
+      for kind in ids:
+        content = _token_content(tok_config.get(f"{kind}_token"))
+        if content is not None:
+          ids[kind] = cls._lookup(tok, content, f"{kind}_token", tok_config_path)
+    model_config_path = os.path.join(config_dir, "config.json")
+    if os.path.isfile(model_config_path):
+      model_config = _read_json(model_config_path)
+      for kind in ids:
+        if ids[kind] is None:
+          ids[kind] = _first_id(model_config.get(f"{kind}_token_id"))
+
+    eos = ids["eos"]
+    if eos is None:
+      raise ValueError(
+        f"could not determine the EOS token for {json_path!r}: looked for 'eos_token' in {tok_config_path!r} "
+        f"and 'eos_token_id' in {model_config_path!r}"
+      )
+    return cls(tok, eos_id=eos, bos_id=ids["bos"], pad_id=ids["pad"])
+
+  @staticmethod
+  def _lookup(tok: tokenizers.Tokenizer, token: str, what: str, source: PathLike) -> int:
+    token_id = tok.token_to_id(token)
+    if token_id is None:
+      raise ValueError(f"{what} {token!r} (from {os.fspath(source)!r}) is not in the tokenizer vocabulary")
+    return int(token_id)
+
+  @property
+  def backend(self) -> tokenizers.Tokenizer:
+    """The underlying ``tokenizers.Tokenizer``, for backend-specific queries."""
+    return self._tok
+
+  @property
+  def vocab_size(self) -> int:
+    """Vocabulary size including added tokens."""
+    return self._vocab_size
+
+  @property
+  def bos_id(self) -> int | None:
+    """The BOS id, or None if none was configured."""
+    return self._bos
+
+  @property
+  def eos_id(self) -> int:
+    """The EOS id."""
+    return self._eos
+
+  @property
+  def pad_id(self) -> int:
+    """The pad id, or the EOS id if none was configured."""
+    return self._pad
+
+  def _encode_plain(self, texts: list[str]) -> list[list[int]]:
+    if not texts:
+      return []
+    # add_special_tokens=False: a post-processor (e.g. TemplateProcessing adding <s>)
+    # must not sneak specials in; add_bos/add_eos are the only switch.
+    return [list(enc.ids) for enc in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+  def _decode_plain(self, ids: list[int]) -> str:
+    # skip_special_tokens=False: which ids count as special is decided by the interface
+    # (pad/BOS/EOS only), not by whatever the tokenizer.json marks as special.
+    return self._tok.decode(ids, skip_special_tokens=False) if ids else ""
+
+  def _decode_keep_special(self, ids: list[int]) -> str:
+    # The backend renders special tokens itself and its decoder (spacing, byte-level
+    # merging) must see the whole sequence, so no splicing is needed here.
+    return self._tok.decode(ids, skip_special_tokens=False) if ids else ""
+
+
+# ======================================================================================
+# Dispatch
+# ======================================================================================
+
+
+def load_tokenizer(path: PathLike) -> Tokenizer:
+  """Loads a tokenizer, choosing the backend from what is at ``path``.
+
+  * a ``*.model`` file -> :class:`SentencePieceTokenizer`;
+  * a ``*.json`` file (normally ``tokenizer.json``) -> :class:`HFTokenizer`, with special
+    tokens from the ``tokenizer_config.json`` / ``config.json`` next to it;
+  * a directory with ``tokenizer.json`` -> :class:`HFTokenizer` (preferred, as HF
+    directories often ship both files);
+  * a directory with ``tokenizer.model`` -> :class:`SentencePieceTokenizer`.
+
+  Args:
+    path: a file or directory.
+
+  Returns:
+    The tokenizer.
+
+  Raises:
+    FileNotFoundError: if ``path`` does not exist, or is a directory with neither file.
+    ValueError: if ``path`` is a file of an unrecognised kind.
+  """
+  path = os.fspath(path)
+  if os.path.isdir(path):
+    json_path = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(json_path):
+      return HFTokenizer.from_pretrained_dir(path)
+    model_path = os.path.join(path, "tokenizer.model")
+    if os.path.isfile(model_path):
+      return SentencePieceTokenizer.from_file(model_path)
+    raise FileNotFoundError(f"tokenizer directory {path!r} contains neither 'tokenizer.json' nor 'tokenizer.model'")
+  if os.path.isfile(path):
+    if path.endswith(".model"):
+      return SentencePieceTokenizer.from_file(path)
+    if path.endswith(".json"):
+      return HFTokenizer._from_json_and_configs(path, os.path.dirname(path) or ".")
+    raise ValueError(
+      f"unrecognised tokenizer file {path!r}: expected a SentencePiece '.model' file or a 'tokenizer.json' file"
+    )
+  raise FileNotFoundError(
+    f"no tokenizer at {path!r}: expected a '.model' file, a 'tokenizer.json' file, "
+    "or a directory containing 'tokenizer.json' or 'tokenizer.model'"
+  )

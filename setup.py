@@ -1,0 +1,45 @@
+"""mimo-jax: a JAX-native RL trainer (GRPO, PPO) for large language models."""
+
+from setuptools import find_packages, setup
+
+# Versions checked together (see BUILD_NOTES.md). CPU jax by default; the gpu/tpu
+# extras swap in the accelerator builds of the same version.
+JAX_VERSION = "0.10.2"
+INSTALL_REQUIRES = [
+  f"jax=={JAX_VERSION}",
+  f"jaxlib=={JAX_VERSION}",
+  "flax==0.12.8",
+  "optax==0.2.8",
+  "orbax-checkpoint==0.12.8",
+  "chex==0.1.92",
+  "tensorflow-datasets==4.9.10",
+  "array-record==0.8.6",
+  "importlib_resources",  # an undeclared dependency of tensorflow-datasets 4.9.10
+  "sentencepiece==0.2.3",
+  "absl-py==2.5.1",
+  "safetensors==0.8.0",
+  "numpy==2.4.6",
+  "tqdm",
+  "tensorboardX",
+]
+
+EXTRAS = {
+  # Hugging Face tokenizer.json support (Llama-3 / Qwen tokenizers).
+  "hf": ["tokenizers>=0.22"],
+  # Oracles for tests and conversion: transformers on CPU torch (pin the CPU wheel).
+  "test": ["pytest>=8", "ruff>=0.6", "torch==2.13.0", "transformers==5.24.0", "tokenizers>=0.22"],
+  "gpu": [f"jax[cuda12]=={JAX_VERSION}"],
+  "tpu": [f"jax[tpu]=={JAX_VERSION}"],
+}
+
+setup(
+  name="mimo-jax",
+  version="0.1.0",
+  description="A JAX-native reinforcement-learning trainer for large language models.",
+  python_requires=">=3.11",
+  packages=find_packages(include=["mimo_jax", "mimo_jax.*"]) + ["mimo_jax.kernels"],
+  package_dir={"mimo_jax.kernels": "kernels"},
+  package_data={"mimo_jax": ["data/*", "data/*/*"]},
+  install_requires=INSTALL_REQUIRES,
+  extras_require=EXTRAS,
+)
