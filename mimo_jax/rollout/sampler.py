@@ -1,0 +1,416 @@
+"""Jitted KV-cache generation on the mesh: prefill once per prompt, fan out, decode.
+
+One ``generate`` call is one jitted function of ``(params, prompts, temperatures, key)``:
+
+1. **Prefill** the ``Np`` left-padded prompts ``[Np, P]`` once into a cache of
+   ``P + M`` slots (``M`` = the static completion buffer).
+2. **Fan out** the cache and the last-position logits to ``G`` samples per prompt
+   (``B = Np * G`` rows; the samples of a prompt are contiguous).
+3. **Decode** in a ``lax.while_loop`` over a fixed ``[B, M]`` token buffer with a
+   ``done`` mask; the loop exits early once every row has stopped.
+
+Shapes are static per (prompt bucket ``P``, ``Np``, ``G``, ``M``): after warm-up, a new
+batch in a seen bucket compiles nothing.  Parameters are the live training state
+(``update_params`` swaps the reference, no copy); the KV cache is laid out by the
+generation rules (batch over data/fsdp, KV heads over tensor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from mimo_jax import sharding
+from mimo_jax.models.logprobs import completion_logprobs
+from mimo_jax.models.transformer import KV_CACHE_LOGICAL_AXES, KVCache, Transformer, positions_from_mask
+from mimo_jax.rollout.sampling import SamplingParams, row_keys, sample_tokens
+
+FINISH_STOP = 0
+FINISH_LENGTH = 1
+
+
+@flax.struct.dataclass
+class RolloutOutput:
+  """The result of one generate call; ``B = num_prompts * num_samples`` rows.
+
+  Attributes:
+    prompt_tokens: int32 ``[B, P]``, left-padded prompt of each row.
+    prompt_mask: bool ``[B, P]``.
+    completion_tokens: int32 ``[B, M]``, right-padded with ``pad_id``.
+    completion_mask: bool ``[B, M]``, True for generated tokens (the stop token included).
+    lengths: int32 ``[B]``, completion lengths.
+    finish_reason: int32 ``[B]``, ``FINISH_STOP`` (a stop id was produced) or ``FINISH_LENGTH``.
+    logprobs: float32 ``[B, M]``, ``log softmax(logits / T)`` of each sampled token under
+      the policy at the row's temperature (``T = 1`` for greedy rows); 0 where masked.
+    sampler_logprobs: float32 ``[B, M]``, the same under the truncated (top-k/top-p)
+      distribution actually sampled from.
+    temperature: float32 ``[B]``, the sampling temperature of each row (0 = greedy).
+    prompt_index: int32 ``[B]``, which input prompt each row came from.
+    top_k: static, the top-k used.
+    top_p: static, the top-p used.
+  """
+
+  prompt_tokens: jax.Array
+  prompt_mask: jax.Array
+  completion_tokens: jax.Array
+  completion_mask: jax.Array
+  lengths: jax.Array
+  finish_reason: jax.Array
+  logprobs: jax.Array
+  sampler_logprobs: jax.Array
+  temperature: jax.Array
+  prompt_index: jax.Array
+  top_k: int = flax.struct.field(pytree_node=False, default=0)
+  top_p: float = flax.struct.field(pytree_node=False, default=1.0)
+
+  def take(self, n: int) -> RolloutOutput:
+    """The first ``n`` rows (drops padding rows added to fill a batch bucket)."""
+    return jax.tree.map(lambda x: x[:n], self)
+
+
+def bucket_for(length: int, buckets: Sequence[int]) -> int:
+  """The smallest bucket >= ``length``; ValueError naming the buckets otherwise."""
+  for b in sorted(buckets):
+    if length <= b:
+      return b
+  raise ValueError(f"prompt of {length} tokens is longer than the largest prompt bucket {max(buckets)}")
+
+
+def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """Left-pads token lists to ``[len(prompts), length]`` (tokens, mask)."""
+  tokens = np.full((len(prompts), length), pad_id, np.int32)
+  mask = np.zeros((len(prompts), length), bool)
+  for i, p in enumerate(prompts):
+    if len(p) == 0:
+      raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+    if len(p) > length:
+      raise ValueError(f"prompt {i} has {len(p)} tokens, more than the bucket length {length}")
+    tokens[i, length - len(p) :] = p
+    mask[i, length - len(p) :] = True
+  return tokens, mask
+
+
+class Sampler:
+  """Generation over a model's live parameters on one mesh.
+
+  The rollout interface: :meth:`generate`, :meth:`per_token_logps`, :meth:`update_params`.
+  """
+
+  def __init__(
+    self,
+    model: Transformer,
+    *,
+    mesh: Mesh | None = None,
+    rules: sharding.Rules = sharding.GENERATE_RULES,
+    cache_dtype: str | None = None,
+  ):
+    """Args:
+    model: the policy; its parameters are read, never copied.
+    mesh: the mesh the parameters live on (None: one device, no constraints).
+    rules: logical-axis rules for activations and the KV cache.
+    cache_dtype: KV cache dtype (default: the model's compute dtype).
+    """
+    self.config = model.config
+    self.mesh = mesh
+    self.rules = rules
+    self.cache_dtype = cache_dtype
+    self._graphdef, self._state = nnx.split(model)
+    self._generate = jax.jit(self._generate_impl, static_argnames=("num_samples", "max_len", "sampling"))
+    self._logps = jax.jit(self._logps_impl)
+
+  # ------------------------------------------------------------------ params
+
+  def update_params(self, model_or_state: Transformer | nnx.State) -> None:
+    """Points the sampler at new parameters (a model or the state half of ``nnx.split``)."""
+    if isinstance(model_or_state, nnx.Module):
+      _, model_or_state = nnx.split(model_or_state)
+    self._state = model_or_state
+
+  @property
+  def batch_shards(self) -> int:
+    """How many ways the batch dimension is split (rows must be a multiple)."""
+    if self.mesh is None:
+      return 1
+    spec = sharding.logical_to_spec(("batch",), self.rules, self.mesh)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    return int(np.prod([self.mesh.shape[a] for a in axes]))
+
+  def _rules_ctx(self):
+    if self.mesh is None:
+      return contextlib.nullcontext()
+    return sharding.use_rules(self.mesh, self.rules)
+
+  # ------------------------------------------------------------------ jitted bodies
+
+  def _generate_impl(
+    self,
+    state,
+    prompt_tokens,
+    prompt_mask,
+    temperature,
+    key,
+    max_new_tokens,
+    *,
+    num_samples: int,
+    max_len: int,
+    sampling: SamplingParams,
+  ) -> RolloutOutput:
+    model = nnx.merge(self._graphdef, state)
+    Np, P = prompt_tokens.shape
+    G, M = num_samples, max_len
+    B = Np * G
+    stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
+
+    with self._rules_ctx():
+      # ---- prefill (once per prompt)
+      positions = positions_from_mask(prompt_mask)
+      cache = KVCache.init(self.config, Np, P + M, self.cache_dtype)
+      cache = _constrain_cache(cache)
+      logits, cache = model(prompt_tokens, attention_mask=prompt_mask, positions=positions, cache=cache)
+      last_logits = logits[:, -1]  # left padding: the last slot is the last real token
+
+      # ---- fan out to G samples per prompt
+      def fan(x):
+        return jnp.repeat(x, G, axis=0)
+
+      cache = KVCache(
+        k=jnp.repeat(cache.k, G, axis=1),
+        v=jnp.repeat(cache.v, G, axis=1),
+        valid=fan(cache.valid),
+        index=cache.index,
+      )
+      cache = _constrain_cache(cache)
+      cur_logits = sharding.constrain(fan(last_logits), ("batch", "vocab"))
+      next_pos = fan(jnp.sum(prompt_mask, axis=1).astype(jnp.int32))
+      keys = row_keys(key, B)
+      limit = jnp.minimum(max_new_tokens, M)
+
+      # ---- decode loop
+      def cond(c):
+        t, done = c[0], c[4]
+        return (t < limit) & ~jnp.all(done)
+
+      def body(c):
+        t, cache, cur_logits, next_pos, done, tokens, logps, slogps, stopped = c
+        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, t)
+        tok, lp, slp = sample_tokens(cur_logits, step_keys, temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+        active = ~done
+        tok = jnp.where(active, tok, sampling.pad_id)
+        tokens = tokens.at[:, t].set(tok)
+        logps = logps.at[:, t].set(jnp.where(active, lp, 0.0))
+        slogps = slogps.at[:, t].set(jnp.where(active, slp, 0.0))
+        hit_stop = active & jnp.any(tok[:, None] == stop_ids[None, :], axis=1)
+        stopped = stopped | hit_stop
+        done = done | hit_stop
+        logits, cache = model(
+          tok[:, None], attention_mask=active[:, None], positions=next_pos[:, None], cache=_constrain_cache(cache)
+        )
+        cur_logits = sharding.constrain(logits[:, 0], ("batch", "vocab"))
+        return (t + 1, cache, cur_logits, next_pos + 1, done, tokens, logps, slogps, stopped)
+
+      init = (
+        jnp.zeros((), jnp.int32),
+        cache,
+        cur_logits,
+        next_pos,
+        jnp.zeros((B,), bool),
+        jnp.full((B, M), sampling.pad_id, jnp.int32),
+        jnp.zeros((B, M), jnp.float32),
+        jnp.zeros((B, M), jnp.float32),
+        jnp.zeros((B,), bool),
+      )
+      t_end, _, _, _, _, tokens, logps, slogps, stopped = jax.lax.while_loop(cond, body, init)
+
+    # Rows still running at the end were cut by the length limit.
+    steps = jnp.arange(M)[None, :]
+    lengths = _lengths(tokens, stop_ids, stopped, t_end)
+    completion_mask = steps < lengths[:, None]
+    return RolloutOutput(
+      prompt_tokens=fan(prompt_tokens),
+      prompt_mask=fan(prompt_mask),
+      completion_tokens=tokens,
+      completion_mask=completion_mask,
+      lengths=lengths,
+      finish_reason=jnp.where(stopped, FINISH_STOP, FINISH_LENGTH).astype(jnp.int32),
+      logprobs=jnp.where(completion_mask, logps, 0.0),
+      sampler_logprobs=jnp.where(completion_mask, slogps, 0.0),
+      temperature=temperature,
+      prompt_index=jnp.repeat(jnp.arange(Np, dtype=jnp.int32), G),
+      top_k=sampling.top_k,
+      top_p=sampling.top_p,
+    )
+
+  def _logps_impl(self, state, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature):
+    model = nnx.merge(self._graphdef, state)
+    with self._rules_ctx():
+      return completion_logprobs(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature)
+
+  # ------------------------------------------------------------------ public API
+
+  def generate(
+    self,
+    prompt_tokens: np.ndarray | jax.Array,
+    prompt_mask: np.ndarray | jax.Array,
+    *,
+    num_samples: int,
+    max_len: int,
+    sampling: SamplingParams,
+    temperature: float | np.ndarray | jax.Array,
+    key: jax.Array,
+    max_new_tokens: int | None = None,
+  ) -> RolloutOutput:
+    """Samples ``num_samples`` completions for each left-padded prompt.
+
+    Args:
+      prompt_tokens: int32 ``[Np, P]``, left-padded (``P`` a bucket length).
+      prompt_mask: bool ``[Np, P]``; every row has at least one real token.
+      num_samples: G, samples per prompt (static).
+      max_len: M, the static completion buffer length.
+      sampling: static top-k/top-p/stop ids/pad id.
+      temperature: a float or ``[Np * G]`` per-row temperatures (0 = greedy); dynamic.
+      key: one PRNG key for the whole call.
+      max_new_tokens: dynamic limit <= ``max_len`` (default ``max_len``).
+
+    Returns:
+      A :class:`RolloutOutput` with ``B = Np * G`` rows.
+    """
+    Np = prompt_tokens.shape[0]
+    B = Np * num_samples
+    if B % self.batch_shards:
+      raise ValueError(f"num_prompts * num_samples = {B} must be a multiple of the batch shards ({self.batch_shards})")
+    temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))
+    limit = jnp.asarray(max_len if max_new_tokens is None else max_new_tokens, jnp.int32)
+    prompt_tokens, prompt_mask = (
+      self._place(jnp.asarray(prompt_tokens, jnp.int32)),
+      self._place(jnp.asarray(prompt_mask, bool)),
+    )
+    return self._generate(
+      self._state,
+      prompt_tokens,
+      prompt_mask,
+      temp,
+      key,
+      limit,
+      num_samples=num_samples,
+      max_len=max_len,
+      sampling=sampling,
+    )
+
+  def per_token_logps(self, out: RolloutOutput, temperature: float | jax.Array | None = None) -> jax.Array:
+    """Recomputes ``[B, M]`` log-probs of ``out``'s completions with a full forward pass
+    (at the recorded temperatures unless ``temperature`` is given)."""
+    temp = out.temperature if temperature is None else temperature
+    return self._logps(
+      self._state, out.prompt_tokens, out.prompt_mask, out.completion_tokens, out.completion_mask, temp
+    )
+
+  def _place(self, x: jax.Array) -> jax.Array:
+    if self.mesh is None:
+      return x
+    spec = sharding.logical_to_spec(("batch",) + (None,) * (x.ndim - 1), self.rules, self.mesh, x.shape)
+    return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+
+def _lengths(tokens, stop_ids, stopped, t_end):
+  """Completion length per row: through the first stop token, else the steps run."""
+  is_stop = jnp.any(tokens[..., None] == stop_ids[None, None, :], axis=-1)
+  first_stop = jnp.argmax(is_stop, axis=1) + 1
+  return jnp.where(stopped, first_stop, t_end).astype(jnp.int32)
+
+
+def _constrain_cache(cache: KVCache) -> KVCache:
+  return KVCache(
+    k=sharding.constrain(cache.k, KV_CACHE_LOGICAL_AXES),
+    v=sharding.constrain(cache.v, KV_CACHE_LOGICAL_AXES),
+    valid=sharding.constrain(cache.valid, ("batch", "cache_seq")),
+    index=cache.index,
+  )
+
+
+# ----------------------------------------------------------------------------
+# Convenience entry point
+# ----------------------------------------------------------------------------
+
+DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+_SAMPLERS: dict[int, tuple[object, Sampler]] = {}
+
+
+def _get_sampler(model: Transformer, mesh: Mesh | None) -> Sampler:
+  entry = _SAMPLERS.get(id(model))
+  if entry is None or entry[0] is not model or entry[1].mesh is not mesh:
+    entry = (model, Sampler(model, mesh=mesh))
+    _SAMPLERS[id(model)] = entry
+  else:
+    entry[1].update_params(model)
+  return entry[1]
+
+
+def generate(
+  model: Transformer,
+  prompts: Sequence[Sequence[int]],
+  *,
+  max_new_tokens: int,
+  temperature: float = 1.0,
+  top_p: float = 1.0,
+  top_k: int = 0,
+  num_samples: int = 1,
+  stop_ids: Sequence[int] = (),
+  seed: int = 0,
+  pad_id: int = 0,
+  mesh: Mesh | None = None,
+  prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
+) -> RolloutOutput:
+  """Generates completions for token-id prompts of any lengths (users and notebooks).
+
+  Prompts are left-padded to the smallest fitting bucket and the prompt count is
+  padded to a power of two (and a multiple of the mesh's batch shards), so repeated
+  calls of similar size reuse compiled code.
+
+  Args:
+    model: the policy.
+    prompts: token-id lists (each non-empty).
+    max_new_tokens: completion buffer length M.
+    temperature: sampling temperature; 0 means greedy.
+    top_p: nucleus mass (1: off).
+    top_k: top-k (0: off).
+    num_samples: samples per prompt (contiguous in the output).
+    stop_ids: token ids that end a completion.
+    seed: PRNG seed.
+    pad_id: token written after a completion ends.
+    mesh: the mesh the model's parameters live on, if any.
+    prompt_buckets: allowed padded prompt lengths.
+
+  Returns:
+    A :class:`RolloutOutput` with ``len(prompts) * num_samples`` rows;
+    ``completion_tokens``/``completion_mask``/``logprobs`` are ``[rows, max_new_tokens]``.
+  """
+  if not prompts:
+    raise ValueError("prompts is empty")
+  sampler = _get_sampler(model, mesh)
+  P = bucket_for(max(len(p) for p in prompts), prompt_buckets)
+  n = len(prompts)
+  shards = sampler.batch_shards
+  n_pad = 1 << (n - 1).bit_length()
+  while (n_pad * num_samples) % shards:
+    n_pad *= 2
+  filler = [[pad_id]] * (n_pad - n)
+  tokens, mask = left_pad(list(prompts) + filler, P, pad_id)
+  out = sampler.generate(
+    tokens,
+    mask,
+    num_samples=num_samples,
+    max_len=max_new_tokens,
+    sampling=SamplingParams(top_k=top_k, top_p=top_p, stop_ids=tuple(stop_ids), pad_id=pad_id),
+    temperature=temperature,
+    key=jax.random.key(seed),
+  )
+  return out.take(n * num_samples)

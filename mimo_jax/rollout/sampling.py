@@ -1,0 +1,103 @@
+"""Token sampling: temperature, top-k, top-p (nucleus), greedy.
+
+Pure functions of arrays.  Two log-probabilities come back for every sampled token:
+
+- ``logprob``: under the policy at the sampling temperature, ``log_softmax(logits / T)``
+  (``T = 1`` for greedy).  This is the distribution the trainer recomputes and
+  optimises; a temperature mismatch here silently biases the importance ratio.
+- ``sampler_logprob``: under the distribution actually sampled from, i.e. after top-k /
+  top-p truncation and renormalisation (0 for greedy, which is deterministic).  Equal
+  to ``logprob`` when no truncation is active.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from mimo_jax.config_base import check
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Static sampling settings of one generate call (hashable: a jit static argument).
+
+  Attributes:
+    top_k: keep the k most likely tokens (0: off).
+    top_p: keep the smallest set of tokens whose mass reaches top_p (1: off).
+    stop_ids: tokens that end a completion (kept in the completion).
+    pad_id: the token written after a completion ends.
+  """
+
+  top_k: int = 0
+  top_p: float = 1.0
+  stop_ids: tuple[int, ...] = ()
+  pad_id: int = 0
+
+  def __post_init__(self):
+    check(self.top_k >= 0, "top_k", self.top_k, "must be >= 0")
+    check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+    object.__setattr__(self, "stop_ids", tuple(int(s) for s in self.stop_ids))
+
+
+def truncate_logits(logits_bv: jax.Array, *, top_k: int, top_p: float) -> jax.Array:
+  """Sets logits outside the top-k / top-p set to ``-inf`` (float32 ``[B, V]``).
+
+  Ties at the boundary are kept (the set may be slightly larger than k).
+  """
+  x = logits_bv.astype(jnp.float32)
+  if top_k <= 0 and top_p >= 1.0:
+    return x
+  if top_k > 0:
+    # [B, k], sorted descending: enough for both filters.
+    cand = jax.lax.top_k(x, min(top_k, x.shape[-1]))[0]
+  else:
+    cand = -jnp.sort(-x, axis=-1)
+  threshold = cand[:, -1:]
+  if top_p < 1.0:
+    probs = jax.nn.softmax(cand, axis=-1)
+    # Keep a token if the mass strictly before it is below top_p (the first always stays).
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p
+    num_kept = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)
+    threshold = jnp.take_along_axis(cand, num_kept - 1, axis=-1)
+  return jnp.where(x < threshold, -jnp.inf, x)
+
+
+def sample_tokens(
+  logits_bv: jax.Array,
+  keys_b: jax.Array,
+  temperature_b: jax.Array,
+  *,
+  top_k: int = 0,
+  top_p: float = 1.0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Samples one token per row.
+
+  Args:
+    logits_bv: ``[B, V]`` raw logits (any float dtype; computed in float32).
+    keys_b: ``[B]`` PRNG keys, one per row.
+    temperature_b: ``[B]`` float32; ``<= 0`` means greedy for that row.
+    top_k: static top-k (0: off).
+    top_p: static nucleus mass (1: off).
+
+  Returns:
+    ``(tokens [B] int32, logprob [B] f32, sampler_logprob [B] f32)`` (see module doc).
+  """
+  logits = logits_bv.astype(jnp.float32)
+  greedy = temperature_b <= 0
+  temp = jnp.where(greedy, 1.0, temperature_b).astype(jnp.float32)
+  scaled = logits / temp[:, None]
+  logp = jax.nn.log_softmax(scaled, axis=-1)
+  truncated = truncate_logits(scaled, top_k=top_k, top_p=top_p)
+  sampled = jax.vmap(jax.random.categorical)(keys_b, truncated)
+  tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+  logprob = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+  sampler_logp = jnp.take_along_axis(jax.nn.log_softmax(truncated, axis=-1), tokens[:, None], axis=-1)[:, 0]
+  return tokens, logprob, jnp.where(greedy, 0.0, sampler_logp)
+
+
+def row_keys(key: jax.Array, batch: int) -> jax.Array:
+  """One key per row, derived from one key by the row index (independent of sharding)."""
+  return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch, dtype=jnp.uint32))

@@ -1,0 +1,248 @@
+"""Rollout: greedy == argmax of the full forward, exact log-probs, stops, no recompiles,
+sampling statistics, agreement with transformers' greedy generate."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from mimo_jax.models import Transformer, create_sharded, load_hf
+from mimo_jax.models.config import tiny
+from mimo_jax.rollout import FINISH_LENGTH, FINISH_STOP, Sampler, SamplingParams, generate, left_pad
+from mimo_jax.rollout.sampling import sample_tokens, truncate_logits
+from mimo_jax.sharding import MeshConfig, build_mesh
+from mimo_jax.testing import count_compilations, save_random_hf_model
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15, 16, 17]]
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Transformer(tiny().replace(qkv_bias=True), rngs=nnx.Rngs(0))
+
+
+def _greedy_reference(model, prompt, n):
+  seq = list(prompt)
+  fwd = jax.jit(lambda t: model(t)[0, -1])
+  for _ in range(n):
+    seq.append(int(jnp.argmax(fwd(jnp.asarray([seq], jnp.int32)))))
+  return seq[len(prompt) :]
+
+
+def test_greedy_equals_argmax_of_full_forward(model):
+  out = generate(model, PROMPTS, max_new_tokens=10, temperature=0.0)
+  assert out.completion_tokens.shape == (4, 10) and out.logprobs.shape == (4, 10)
+  for i, p in enumerate(PROMPTS):
+    assert list(np.asarray(out.completion_tokens[i])) == _greedy_reference(model, p, 10)
+  assert np.all(np.asarray(out.finish_reason) == FINISH_LENGTH)
+  assert np.all(np.asarray(out.completion_mask))
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (2, 2, 2)])
+def test_sharded_generation_matches_one_device(mesh_shape):
+  cfg = tiny().replace(num_heads=4, num_kv_heads=2)
+  ref_model = Transformer(cfg, rngs=nnx.Rngs(3))
+  mesh = build_mesh(MeshConfig(*mesh_shape))
+  sharded = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(3)), mesh)
+  kw = dict(max_new_tokens=8, temperature=0.8, top_k=50, num_samples=2, seed=11)
+  a = generate(ref_model, PROMPTS, **kw)
+  b = generate(sharded, PROMPTS, mesh=mesh, **kw)
+  np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+  # The KV cache and the outputs are batch-sharded over fsdp/data.
+  assert b.completion_tokens.sharding.spec[0] is not None
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.9), (0.0, 0, 1.0)])
+def test_logprobs_equal_full_forward_recompute(model, temperature, top_k, top_p):
+  sampler = Sampler(model)
+  tokens, mask = left_pad(PROMPTS, 16, 0)
+  out = sampler.generate(
+    tokens,
+    mask,
+    num_samples=3,
+    max_len=12,
+    sampling=SamplingParams(top_k=top_k, top_p=top_p, stop_ids=(3, 4, 5)),
+    temperature=temperature,
+    key=jax.random.key(0),
+  )
+  recomputed = sampler.per_token_logps(out)
+  np.testing.assert_allclose(recomputed, out.logprobs, atol=2e-5)
+  assert np.all(np.asarray(out.logprobs)[~np.asarray(out.completion_mask)] == 0)
+  if top_k == 0 and top_p == 1.0 and temperature > 0:
+    np.testing.assert_allclose(out.sampler_logprobs, out.logprobs, atol=1e-6)
+  if temperature > 0:
+    # Recomputing at the wrong temperature gives different numbers: the recorded one matters.
+    wrong = sampler.per_token_logps(out, temperature=temperature + 0.5)
+    assert np.abs(np.asarray(wrong) - np.asarray(out.logprobs))[np.asarray(out.completion_mask)].max() > 1e-3
+
+
+def test_prompt_padding_does_not_change_output(model):
+  kw = dict(max_new_tokens=8, temperature=1.0, num_samples=2, seed=5)
+  a = generate(model, PROMPTS, prompt_buckets=(16,), **kw)
+  b = generate(model, PROMPTS, prompt_buckets=(48,), **kw)
+  np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_stop_tokens_end_completions(model):
+  greedy = generate(model, PROMPTS, max_new_tokens=10, temperature=0.0)
+  toks = np.asarray(greedy.completion_tokens)
+  stop = int(toks[1, 4])  # make the 5th greedy token of prompt 1 a stop token
+  out = generate(model, PROMPTS, max_new_tokens=10, temperature=0.0, stop_ids=(stop,), pad_id=0)
+  got = np.asarray(out.completion_tokens)
+  for i in range(len(PROMPTS)):
+    hits = np.nonzero(toks[i] == stop)[0]
+    if len(hits):
+      n = hits[0] + 1
+      assert int(out.lengths[i]) == n and int(out.finish_reason[i]) == FINISH_STOP
+      np.testing.assert_array_equal(got[i, :n], toks[i, :n])
+      assert np.all(got[i, n:] == 0) and not np.any(np.asarray(out.completion_mask)[i, n:])
+    else:
+      assert int(out.lengths[i]) == 10 and int(out.finish_reason[i]) == FINISH_LENGTH
+  assert int(out.lengths[1]) == 5
+
+
+def test_dynamic_max_new_tokens_and_early_exit(model):
+  sampler = Sampler(model)
+  tokens, mask = left_pad(PROMPTS, 16, 0)
+  kw = dict(num_samples=1, max_len=12, sampling=SamplingParams(), temperature=0.0, key=jax.random.key(0))
+  full = sampler.generate(tokens, mask, **kw)
+  with count_compilations() as c:
+    short = sampler.generate(tokens, mask, max_new_tokens=5, **kw)
+  assert c.count == 0  # the limit is an array: no recompilation
+  np.testing.assert_array_equal(np.asarray(short.lengths), 5)
+  np.testing.assert_array_equal(np.asarray(short.completion_tokens)[:, :5], np.asarray(full.completion_tokens)[:, :5])
+  assert np.all(np.asarray(short.completion_tokens)[:, 5:] == 0)
+
+
+def test_group_sampling_layout_and_reproducibility(model):
+  a = generate(model, PROMPTS, max_new_tokens=6, temperature=1.0, num_samples=4, seed=1)
+  b = generate(model, PROMPTS, max_new_tokens=6, temperature=1.0, num_samples=4, seed=1)
+  c = generate(model, PROMPTS, max_new_tokens=6, temperature=1.0, num_samples=4, seed=2)
+  np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
+  assert not np.array_equal(np.asarray(a.completion_tokens), np.asarray(c.completion_tokens))
+  np.testing.assert_array_equal(a.prompt_index, np.repeat(np.arange(4), 4))
+  # The samples of a prompt share its prompt and differ from each other.
+  pt = np.asarray(a.prompt_tokens)
+  assert np.all(pt[0] == pt[3]) and not np.array_equal(pt[0], pt[4])
+  toks = np.asarray(a.completion_tokens)
+  assert len({tuple(r) for r in toks[:4]}) > 1
+  np.testing.assert_allclose(np.asarray(a.temperature), 1.0)
+
+
+def test_second_call_in_a_bucket_compiles_nothing(model):
+  sampler = Sampler(model)
+  sp = SamplingParams(top_k=10, stop_ids=(2,))
+  rng = np.random.default_rng(0)
+
+  def call(seed):
+    prompts = [list(rng.integers(1, 255, rng.integers(1, 16))) for _ in range(4)]
+    tokens, mask = left_pad(prompts, 16, 0)
+    out = sampler.generate(
+      tokens, mask, num_samples=2, max_len=8, sampling=sp, temperature=0.9, key=jax.random.key(seed)
+    )
+    jax.block_until_ready(out)
+    return sampler.per_token_logps(out).block_until_ready()
+
+  call(0)  # warm-up
+  sampler.update_params(nnx.split(model)[1])  # a new version of the weights, same shapes
+  with count_compilations() as c:
+    call(1)
+    call(2)
+  assert c.count == 0
+
+
+def test_convenience_generate_reuses_compilation(model):
+  generate(model, [[1, 2], [3]], max_new_tokens=5, temperature=0.5, seed=0)
+  with count_compilations() as c:
+    generate(model, [[9, 8, 7], [6, 5, 4, 3]], max_new_tokens=5, temperature=0.9, seed=3)
+  assert c.count == 0
+
+
+# ----------------------------------------------------------------------------
+# Sampling statistics
+# ----------------------------------------------------------------------------
+
+
+def _truncated_probs(logits, temperature, top_k, top_p):
+  """Numpy oracle: softmax(logits/T) restricted to the top-k, then the nucleus, renormalised."""
+  x = logits / temperature
+  p = np.exp(x - x.max())
+  p /= p.sum()
+  order = np.argsort(-p, kind="stable")
+  keep = np.zeros_like(p, bool)
+  if top_k:
+    keep[order[:top_k]] = True
+  else:
+    keep[:] = True
+  kept = [i for i in order if keep[i]]
+  q = p[kept] / p[kept].sum()
+  cum = 0.0
+  final = []
+  for i, qi in zip(kept, q, strict=True):
+    if cum < top_p:
+      final.append(i)
+    cum += qi
+  out = np.zeros_like(p)
+  out[final] = p[final]
+  return out / out.sum()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (1.0, 3, 1.0), (0.8, 0, 0.75), (1.5, 4, 0.8)])
+def test_sampling_frequencies_match_truncated_distribution(temperature, top_k, top_p):
+  logits = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], np.float32)
+  n = 40000
+  keys = jax.random.split(jax.random.key(0), n)
+  f = jax.jit(
+    lambda k: sample_tokens(jnp.tile(logits, (n, 1)), k, jnp.full((n,), temperature), top_k=top_k, top_p=top_p)
+  )
+  tokens, logprob, sampler_logprob = f(keys)
+  expected = _truncated_probs(logits.astype(np.float64), temperature, top_k, top_p)
+  freq = np.bincount(np.asarray(tokens), minlength=8) / n
+  # 40k draws: the standard error of a frequency is <= 0.0025.
+  np.testing.assert_allclose(freq, expected, atol=0.012)
+  assert np.all(freq[expected == 0] == 0)
+  np.testing.assert_allclose(np.exp(np.asarray(sampler_logprob)), expected[np.asarray(tokens)], rtol=1e-4)
+  policy = np.exp(logits / temperature - np.log(np.exp(logits / temperature).sum()))
+  np.testing.assert_allclose(np.exp(np.asarray(logprob)), policy[np.asarray(tokens)], rtol=1e-4)
+
+
+def test_truncate_logits_keeps_at_least_one_token():
+  logits = jnp.asarray([[10.0, 0.0, -1.0]])
+  out = truncate_logits(logits, top_k=0, top_p=0.01)
+  assert np.isfinite(np.asarray(out)[0, 0]) and np.all(np.isinf(np.asarray(out)[0, 1:]))
+
+
+def test_greedy_rows_are_deterministic_with_plain_logprobs():
+  logits = jnp.asarray([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0]])
+  tok, lp, slp = sample_tokens(logits, jax.random.split(jax.random.key(0), 2), jnp.asarray([0.0, 0.0]))
+  np.testing.assert_array_equal(tok, [1, 1])
+  np.testing.assert_allclose(lp, jax.nn.log_softmax(logits)[:, 1], rtol=1e-6)
+  np.testing.assert_array_equal(slp, 0.0)
+
+
+# ----------------------------------------------------------------------------
+# Oracle: transformers' greedy generate
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_matches_transformers_generate(tmp_path, arch):
+  hf_model = save_random_hf_model(str(tmp_path), arch=arch, tie=arch == "qwen2")
+  ours = load_hf(str(tmp_path))
+  prompts = [[5, 17, 33, 2], [90, 1, 7, 7, 7, 12, 4, 99, 100], [64]]
+  out = generate(ours, prompts, max_new_tokens=12, temperature=0.0)
+  for i, p in enumerate(prompts):
+    with torch.no_grad():
+      ref = hf_model.generate(
+        torch.tensor([p]),
+        attention_mask=torch.ones(1, len(p), dtype=torch.long),
+        max_new_tokens=12,
+        min_new_tokens=12,
+        do_sample=False,
+        pad_token_id=0,
+      )
+    assert list(np.asarray(out.completion_tokens[i])) == ref[0, len(p) :].tolist(), f"prompt {i}"
