@@ -15,7 +15,7 @@ $(STAMP): setup.py
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m mimo_jax.main --flagfile=experiments/smoke_tiny.flags
+	$(PY) -m mimo_jax.main --flagfile=experiments/grpo_tiny.flags
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -145,6 +145,7 @@ class OptimConfig:
   adam_b1: float = field(0.9, "Adam beta1.")
   adam_b2: float = field(0.999, "Adam beta2.")
   grad_clip: float = field(1.0, "Global-norm gradient clip (0: off).")
+  sft_learning_rate: float = field(1e-3, "Peak learning rate of the supervised warm-start phase.")
 
   def __post_init__(self):
     check_choices(self)
@@ -153,6 +154,7 @@ class OptimConfig:
     check(0 <= self.adam_b1 < 1, "adam_b1", self.adam_b1, "must be in [0, 1)")
     check(0 <= self.adam_b2 < 1, "adam_b2", self.adam_b2, "must be in [0, 1)")
     check(self.grad_clip >= 0, "grad_clip", self.grad_clip, "must be >= 0")
+    check(self.sft_learning_rate > 0, "sft_learning_rate", self.sft_learning_rate, "must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,15 +162,26 @@ class DataConfig:
   """Prompt data."""
 
   task: str = field("arith", "Prompt source.", choices=("arith", "gsm8k", "humaneval", "jsonl"))
-  data_path: str = field("", "Path to the dataset file (gsm8k/humaneval/jsonl); empty: the shipped sample.")
+  data_path: str = field("", "Training prompts file (gsm8k/humaneval/jsonl); empty: the shipped sample.")
+  eval_data_path: str = field("", "Held-out prompts file (gsm8k/humaneval/jsonl); empty: the shipped sample.")
   tokenizer_path: str = field("", "Tokenizer (.model, tokenizer.json or an HF directory); empty: built-in.")
   prompts_per_step: int = field(8, "Prompts per training step (each sampled num_samples times).")
   eval_prompts: int = field(64, "Held-out prompts per evaluation.")
+  arith_levels: str = field("1,2", "Difficulty levels of the built-in arithmetic task (comma-separated).")
+  arith_reverse: bool = field(False, "Built-in arithmetic: answers written least-significant digit first.")
+  sft_batch_size: int = field(32, "Demonstrations per supervised warm-start step.")
+  sft_wrong_fraction: float = field(
+    0.0, "Fraction of carry problems whose warm-start demonstration shows the no-carry mistake (arith)."
+  )
 
   def __post_init__(self):
     check_choices(self)
     check(self.prompts_per_step >= 1, "prompts_per_step", self.prompts_per_step, "must be >= 1")
     check(self.eval_prompts >= 0, "eval_prompts", self.eval_prompts, "must be >= 0")
+    levels = parse_int_list("arith_levels", self.arith_levels)
+    check(all(1 <= v <= 4 for v in levels), "arith_levels", self.arith_levels, "levels are 1..4")
+    check(self.sft_batch_size >= 1, "sft_batch_size", self.sft_batch_size, "must be >= 1")
+    check(0 <= self.sft_wrong_fraction <= 1, "sft_wrong_fraction", self.sft_wrong_fraction, "must be in [0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,11 +214,15 @@ class RunConfig:
   """The job itself."""
 
   experiment: str = field("default", "Experiment name (used in the run directory).")
-  mode: str = field("smoke", "What to run.", choices=("smoke",))
+  mode: str = field(
+    "train", "What to run: train (SFT warm-start + RL) or smoke (a forward pass).", choices=("train", "smoke")
+  )
   seed: int = field(0, "Random seed of the whole run.")
   max_steps: int = field(10, "RL steps.")
   sft_steps: int = field(0, "Supervised warm-start steps before RL.")
   eval_every: int = field(0, "Evaluate every N steps (0: only at the start and end).")
+  eval_samples: int = field(8, "Samples per held-out prompt for pass@k (k = 1 and this number).")
+  eval_temperature: float = field(1.0, "Sampling temperature of the pass@k evaluation.")
   dry_run: bool = field(False, "Build and AOT-compile everything abstractly, print memory, exit.")
 
   def __post_init__(self):
@@ -213,6 +230,8 @@ class RunConfig:
     check(self.max_steps >= 0, "max_steps", self.max_steps, "must be >= 0")
     check(self.sft_steps >= 0, "sft_steps", self.sft_steps, "must be >= 0")
     check(self.eval_every >= 0, "eval_every", self.eval_every, "must be >= 0")
+    check(self.eval_samples >= 1, "eval_samples", self.eval_samples, "must be >= 1")
+    check(self.eval_temperature > 0, "eval_temperature", self.eval_temperature, "must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +285,22 @@ def validate(cfg: Config, num_devices: int) -> None:
     "num_minibatches",
     cfg.algo.num_minibatches,
     f"must divide the rollout batch prompts_per_step*num_samples={batch}",
+  )
+  minibatch = batch // cfg.algo.num_minibatches
+  check(
+    minibatch % cfg.algo.grad_accum == 0,
+    "grad_accum",
+    cfg.algo.grad_accum,
+    f"must divide the minibatch of {minibatch} rows",
+  )
+  data, fsdp, _ = cfg.mesh.resolve(num_devices)
+  micro = minibatch // cfg.algo.grad_accum
+  check(
+    micro % (data * fsdp) == 0 and cfg.data.prompts_per_step % (data * fsdp) == 0,
+    "prompts_per_step",
+    cfg.data.prompts_per_step,
+    f"prompts per step ({cfg.data.prompts_per_step}) and micro-batch rows ({micro}) must be multiples of the "
+    f"batch shards mesh_data*mesh_fsdp={data * fsdp}",
   )
   if cfg.model.max_seq_len == 0 and not cfg.model.hf_checkpoint:
     longest = max(cfg.rollout.buckets) + cfg.rollout.max_new_tokens

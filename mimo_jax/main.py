@@ -146,8 +146,19 @@ def main(argv: Sequence[str] | None = None) -> int:
   if cfg.run.mode == "smoke":
     run_smoke(cfg)
     return 0
-  print(f"error: --mode={cfg.run.mode} is not available yet", file=sys.stderr)
-  return 2
+  if cfg.run.dry_run:
+    from mimo_jax.train.dry_run import dry_run
+
+    dry_run(cfg)
+    return 0
+  from mimo_jax.train.loop import train
+
+  try:
+    train(cfg)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
 
 
 if __name__ == "__main__":

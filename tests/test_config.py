@@ -46,7 +46,7 @@ def test_defaults_build():
   [
     (["--no_such_flag=1"], "no_such_flag"),
     (["--seed=abc"], "seed.*abc"),
-    (["--model_preset=huge"], r"model_preset.*tiny\|small\|1b\|7b\|13b"),
+    (["--model_preset=huge"], r"model_preset.*tiny\|demo\|small\|1b\|7b\|13b"),
     (["--loss_agg=sum"], "loss_agg.*token-mean"),
     (["--top_p=1.5"], r"--top_p=1\.5.*\(0, 1\]"),
     (["--clip_c=0.5"], r"--clip_c=0\.5.*must be > 1"),

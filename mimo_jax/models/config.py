@@ -159,6 +159,20 @@ def tiny() -> ModelConfig:
   )
 
 
+def demo() -> ModelConfig:
+  """About 0.5M parameters: the embedded CPU demo (vocabulary set from the task's tokenizer)."""
+  return ModelConfig(
+    name="demo",
+    vocab_size=256,
+    d_model=128,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    mlp_dim=384,
+    max_seq_len=128,
+  )
+
+
 def small() -> ModelConfig:
   """About 42M parameters with a 32k vocabulary: the CPU demo and benchmark size."""
   return ModelConfig(
@@ -234,6 +248,7 @@ def llama2_13b() -> ModelConfig:
 
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
   "tiny": tiny,
+  "demo": demo,
   "small": small,
   "1b": llama3_1b,
   "7b": llama2_7b,

@@ -1,4 +1,12 @@
-"""Per-token log-probabilities of given completions under a model (teacher forcing)."""
+"""Per-token log-probabilities (and entropies) of given completions under a model.
+
+The layout matches the sampler's: prompts left-padded to ``P``, completions
+right-padded to ``M``, positions counted over real tokens, so teacher-forced log-probs
+equal the ones recorded at sampling time (at the same temperature).
+
+All log-softmax math is float32.  This is the one place the trainer turns logits into
+per-token statistics; the fused kernel (``mimo_jax.kernels``) plugs in here.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +16,29 @@ import jax.numpy as jnp
 from mimo_jax.models.transformer import Transformer, positions_from_mask
 
 
-def completion_logprobs(
+def _completion_logits(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask):
+  P, M = prompt_tokens.shape[1], completion_tokens.shape[1]
+  tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
+  mask = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)
+  logits = model(tokens, attention_mask=mask, positions=positions_from_mask(mask))
+  # Position P-1+t predicts completion token t.
+  return logits[:, P - 1 : P - 1 + M].astype(jnp.float32)
+
+
+def _temperature(temperature, batch: int) -> jax.Array:
+  temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (batch,))
+  return jnp.where(temp <= 0, 1.0, temp)
+
+
+def completion_stats(
   model: Transformer,
   prompt_tokens: jax.Array,
   prompt_mask: jax.Array,
   completion_tokens: jax.Array,
   completion_mask: jax.Array,
   temperature: jax.Array | float = 1.0,
-) -> jax.Array:
-  """``log softmax(logits / T)`` of each completion token, one full forward pass.
-
-  The layout matches the sampler's: prompts left-padded to ``P``, completions
-  right-padded to ``M``, and positions counted over real tokens, so the result equals
-  the log-probs recorded at sampling time (at the same temperature).
+) -> tuple[jax.Array, jax.Array]:
+  """Log-probs and entropies of the completion tokens under ``softmax(logits / T)``.
 
   Args:
     model: the policy (or reference) model.
@@ -31,17 +49,30 @@ def completion_logprobs(
     temperature: scalar or ``[B]``; ``<= 0`` (greedy) is treated as 1.
 
   Returns:
-    float32 ``[B, M]``, zero where ``completion_mask`` is False.
+    ``(logprobs, entropy)``, both float32 ``[B, M]`` and zero where the mask is False.
   """
-  P = prompt_tokens.shape[1]
-  M = completion_tokens.shape[1]
-  tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
-  mask = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)
-  logits = model(tokens, attention_mask=mask, positions=positions_from_mask(mask))
-  # Position P-1+t predicts completion token t.
-  logits = logits[:, P - 1 : P - 1 + M].astype(jnp.float32)
-  temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (tokens.shape[0],))
-  temp = jnp.where(temp <= 0, 1.0, temp)
-  logp = jax.nn.log_softmax(logits / temp[:, None, None], axis=-1)
-  out = jnp.take_along_axis(logp, completion_tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
-  return jnp.where(completion_mask, out, 0.0)
+  logits = _completion_logits(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+  temp = _temperature(temperature, logits.shape[0])
+  logp_all = jax.nn.log_softmax(logits / temp[:, None, None], axis=-1)
+  logp = jnp.take_along_axis(logp_all, completion_tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+  return jnp.where(completion_mask, logp, 0.0), jnp.where(completion_mask, entropy, 0.0)
+
+
+def completion_logprobs(
+  model: Transformer,
+  prompt_tokens: jax.Array,
+  prompt_mask: jax.Array,
+  completion_tokens: jax.Array,
+  completion_mask: jax.Array,
+  temperature: jax.Array | float = 1.0,
+) -> jax.Array:
+  """``log softmax(logits / T)`` of each completion token (float32 ``[B, M]``, 0 where masked).
+
+  See :func:`completion_stats` for the arguments.
+  """
+  logits = _completion_logits(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+  temp = _temperature(temperature, logits.shape[0])
+  logp_all = jax.nn.log_softmax(logits / temp[:, None, None], axis=-1)
+  logp = jnp.take_along_axis(logp_all, completion_tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  return jnp.where(completion_mask, logp, 0.0)

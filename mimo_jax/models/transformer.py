@@ -322,7 +322,10 @@ class Decoder(nnx.Module):
     dtype = jnp.dtype(cfg.dtype)
     B, T = tokens_bt.shape
     mask_bt = mask_bt.astype(bool)
-    x = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(dtype)
+    # FSDP: gather the table's D dimension before the lookup (it stays vocab-parallel),
+    # so the looked-up rows come out batch-sharded instead of D-sharded.
+    table = constrain(self.embed_vd[...], ("vocab", None))
+    x = jnp.take(table, tokens_bt, axis=0).astype(dtype)
     x = constrain(x, ("batch", "seq", "act_embed"))
 
     if cache is None:

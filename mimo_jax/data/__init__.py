@@ -1,0 +1,1 @@
+"""Data files shipped with the package (see each subdirectory's LICENSE)."""

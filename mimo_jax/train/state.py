@@ -1,0 +1,154 @@
+"""The train state pytree, the optimizer, and the guarded gradient application."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mimo_jax.config import OptimConfig
+
+
+class TrainState(flax.struct.PyTreeNode):
+  """Everything a jitted step reads and writes; donated into each step.
+
+  Attributes:
+    step: int32, optimizer updates applied (skipped non-finite updates do not count).
+    params: the state half of ``nnx.split(model)`` (parameters only).
+    opt_state: the optax state.
+    rng: PRNG key threaded through the steps.
+    skipped: int32, updates skipped because the loss or gradients were not finite.
+    graphdef: the static half of ``nnx.split(model)``.
+    tx: the optax transformation (static).
+  """
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  rng: jax.Array
+  skipped: jax.Array
+  graphdef: Any = flax.struct.field(pytree_node=False)
+  tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+
+  @classmethod
+  def create(cls, model: nnx.Module, tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+    graphdef, params = nnx.split(model)
+    return cls(
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      opt_state=init_opt_state(tx, params),
+      rng=rng,
+      skipped=jnp.zeros((), jnp.int32),
+      graphdef=graphdef,
+      tx=tx,
+    )
+
+  def model(self) -> nnx.Module:
+    return nnx.merge(self.graphdef, self.params)
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
+  """Shardings of ``tx.init(params)``: every params-shaped subtree (Adam's moments)
+  is sharded exactly like the parameters, everything else (step counts) replicated.
+
+  Left to propagation, XLA may replicate the moments, which multiplies optimizer
+  memory by the FSDP size.
+
+  Args:
+    tx: the optimizer.
+    params: concrete arrays or ``ShapeDtypeStruct``s carrying ``NamedSharding``s.
+
+  Returns:
+    A pytree of shardings matching the optimizer state, or None if the parameters are
+    not on a named mesh.
+  """
+  leaves = jax.tree.leaves(params)
+  first = getattr(leaves[0], "sharding", None) if leaves else None
+  if not isinstance(first, NamedSharding):
+    return None
+  replicated = NamedSharding(first.mesh, PartitionSpec())
+  param_shardings = jax.tree.map(lambda x: x.sharding, params)
+  param_def = jax.tree.structure(params)
+
+  def is_params_like(x):
+    return jax.tree.structure(x) == param_def
+
+  abstract = jax.eval_shape(tx.init, params)
+  return jax.tree.map(lambda x: param_shardings if is_params_like(x) else replicated, abstract, is_leaf=is_params_like)
+
+
+def init_opt_state(tx: optax.GradientTransformation, params: Any) -> Any:
+  """``tx.init(params)`` with the optimizer state laid out like the parameters."""
+  return jax.jit(tx.init, out_shardings=opt_state_shardings(tx, params))(params)
+
+
+def learning_rate_schedule(cfg: OptimConfig, total_steps: int, *, peak: float | None = None) -> optax.Schedule:
+  """Linear warm-up from 0, then cosine decay to 10% of the peak (or constant)."""
+  peak = cfg.learning_rate if peak is None else peak
+  warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+  if cfg.lr_schedule == "constant":
+    after = optax.constant_schedule(peak)
+  else:
+    after = optax.cosine_decay_schedule(peak, max(total_steps - warmup, 1), alpha=0.1)
+  if warmup == 0:
+    return after
+  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
+def _decay_mask(params):
+  """Weight decay on matrices only (``w_*``, embeddings, heads), never on norms or biases."""
+
+  def decide(path, _):
+    name = str(getattr(path[-1], "key", path[-1]))
+    return name.startswith(("w_", "embed", "lm_head"))
+
+  return jax.tree_util.tree_map_with_path(decide, params)
+
+
+def make_optimizer(
+  cfg: OptimConfig, total_steps: int, *, peak: float | None = None
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW with the configured schedule and global-norm clipping; returns ``(tx, schedule)``."""
+  schedule = learning_rate_schedule(cfg, total_steps, peak=peak)
+  parts = []
+  if cfg.grad_clip > 0:
+    parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+  parts.append(optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay, mask=_decay_mask))
+  return optax.chain(*parts), schedule
+
+
+def apply_gradients(state: TrainState, grads: Any, loss: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+  """Applies ``grads`` unless the loss or any gradient is non-finite.
+
+  A non-finite update leaves parameters *and* optimizer state untouched (so a NaN never
+  reaches the weights or Adam's moments) and is counted in ``state.skipped``.
+
+  Returns:
+    The new state and metrics ``grad_norm``, ``update_norm``, ``skipped`` (0/1 this call).
+  """
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+  safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+  updates, new_opt = state.tx.update(safe_grads, state.opt_state, state.params)
+  new_params = optax.apply_updates(state.params, updates)
+
+  def keep(new, old):
+    return jnp.where(finite, new, old)
+
+  new_state = state.replace(
+    step=state.step + finite.astype(jnp.int32),
+    params=jax.tree.map(keep, new_params, state.params),
+    opt_state=jax.tree.map(keep, new_opt, state.opt_state),
+    skipped=state.skipped + (~finite).astype(jnp.int32),
+  )
+  metrics = {
+    "grad_norm": grad_norm,
+    "update_norm": jnp.where(finite, optax.tree.norm(updates), 0.0),
+    "skipped": (~finite).astype(jnp.float32),
+  }
+  return new_state, metrics

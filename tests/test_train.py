@@ -1,0 +1,309 @@
+"""The GRPO spine: update-step invariants, the guarded update, no recompiles, an end-to-end run."""
+
+import itertools
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from mimo_jax.config import Config, OptimConfig
+from mimo_jax.eval import pass_at_k
+from mimo_jax.main import main, parse_config
+from mimo_jax.models import Transformer, create_sharded
+from mimo_jax.models.config import tiny
+from mimo_jax.rollout import Sampler, SamplingParams, left_pad
+from mimo_jax.sharding import MeshConfig, build_mesh
+from mimo_jax.testing import count_compilations
+from mimo_jax.train.state import TrainState, make_optimizer
+from mimo_jax.train.steps import LossCoefs, PolicyBatch, SequenceBatch, UpdateSettings, make_score_fn, make_update_fn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rollout_batch(model, mesh=None, seed=0):
+  """A real rollout of the model, scored, with random advantages."""
+  sampler = Sampler(model, mesh=mesh)
+  rng = np.random.default_rng(seed)
+  prompts = [list(rng.integers(4, 200, rng.integers(2, 8))) for _ in range(4)]
+  tokens, mask = left_pad(prompts, 8, 0)
+  out = sampler.generate(
+    tokens,
+    mask,
+    num_samples=4,
+    max_len=6,
+    sampling=SamplingParams(stop_ids=(3,)),
+    temperature=1.0,
+    key=jax.random.key(seed),
+  )
+  graphdef, params = nnx.split(model)
+  seqs = SequenceBatch(out.prompt_tokens, out.prompt_mask, out.completion_tokens, out.completion_mask)
+  old, ref = make_score_fn(graphdef, mesh, use_reference=True)(params, params, seqs, out.temperature)
+  adv = jnp.asarray(rng.normal(size=out.lengths.shape), jnp.float32)
+  return out, PolicyBatch(
+    prompt_tokens=out.prompt_tokens,
+    prompt_mask=out.prompt_mask,
+    completion_tokens=out.completion_tokens,
+    completion_mask=out.completion_mask,
+    advantages=adv,
+    old_logprobs=old,
+    ref_logprobs=ref,
+    temperature=out.temperature,
+  )
+
+
+def _state(model, lr=1e-2, tx=None):
+  if tx is None:
+    tx, _ = make_optimizer(OptimConfig(learning_rate=lr, lr_schedule="constant", grad_clip=0.0), 10)
+  return TrainState.create(model, tx, jax.random.key(0))
+
+
+COEFS = LossCoefs(kl_coef=jnp.float32(0.05), entropy_coef=jnp.float32(0.01))
+
+
+def test_scored_old_logprobs_equal_rollout_logprobs():
+  model = Transformer(tiny(), rngs=nnx.Rngs(0))
+  out, batch = _rollout_batch(model)
+  np.testing.assert_allclose(batch.old_logprobs, out.logprobs, atol=2e-5)
+  np.testing.assert_allclose(batch.ref_logprobs, batch.old_logprobs, atol=0)
+  assert batch.completion_tokens.shape == (16, 6) and batch.prompt_tokens.shape == (16, 8)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_gradient_accumulation_equals_one_big_batch(agg):
+  model = Transformer(tiny(), rngs=nnx.Rngs(1))
+  _, batch = _rollout_batch(model, seed=1)
+  results = []
+  for accum in (1, 4):
+    settings = UpdateSettings(loss_agg=agg, agg_norm=6.0, grad_accum=accum)
+    # Plain SGD: the parameter change is linear in the gradient (Adam would amplify
+    # float noise in near-zero gradients to +-lr steps).
+    state0 = _state(Transformer(tiny(), rngs=nnx.Rngs(1)), tx=optax.sgd(1.0))
+    state, metrics = make_update_fn(None, settings)(state0, batch, COEFS)
+    results.append((state.params, metrics))
+  (p1, m1), (p4, m4) = results
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), p1, p4)
+  for k in ("loss", "pg_loss", "kl_loss", "entropy", "grad_norm", "clipfrac"):
+    np.testing.assert_allclose(m1[k], m4[k], rtol=1e-4, atol=1e-7, err_msg=k)
+
+
+def test_update_changes_params_and_counts_steps():
+  model = Transformer(tiny(), rngs=nnx.Rngs(2))
+  _, batch = _rollout_batch(model, seed=2)
+  state0 = _state(model)
+  before = jax.tree.map(np.array, state0.params)
+  settings = UpdateSettings(epochs=2, num_minibatches=2)
+  state, metrics = make_update_fn(None, settings)(state0, batch, COEFS)
+  assert int(state.step) == 4 and int(state.skipped) == 0
+  diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), state.params, before))
+  assert max(diffs) > 0
+  assert all(np.isfinite(float(v)) for v in metrics.values())
+
+
+def test_non_finite_update_is_skipped_and_counted():
+  model = Transformer(tiny(), rngs=nnx.Rngs(3))
+  _, batch = _rollout_batch(model, seed=3)
+  bad = batch.replace(advantages=batch.advantages.at[0].set(jnp.nan))
+  state0 = _state(model)
+  params0 = jax.tree.map(np.array, state0.params)
+  opt0 = jax.tree.map(np.array, state0.opt_state)
+  state, metrics = make_update_fn(None, UpdateSettings())(state0, bad, COEFS)
+  assert int(state.skipped) == 1 and int(state.step) == 0 and float(metrics["skipped"]) == 1.0
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state.params, params0)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state.opt_state, opt0)
+  # The next good batch trains normally.
+  state, _ = make_update_fn(None, UpdateSettings())(state, batch, COEFS)
+  assert int(state.step) == 1 and int(state.skipped) == 1
+  assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(state.params))
+
+
+def test_sharded_update_matches_single_device():
+  cfg = tiny()
+  mesh = build_mesh(MeshConfig(2, 2, 2))
+  single = Transformer(cfg, rngs=nnx.Rngs(4))
+  _, batch = _rollout_batch(single, seed=4)
+  sgd = optax.sgd(1.0)  # linear in the gradient, so the comparison measures the gradients
+  ref_state, ref_m = make_update_fn(None, UpdateSettings())(_state(single, tx=sgd), batch, COEFS)
+  sharded = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(4)), mesh)
+  state, m = make_update_fn(mesh, UpdateSettings())(_state(sharded, tx=sgd), batch, COEFS)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), state.params, ref_state.params)
+  np.testing.assert_allclose(m["loss"], ref_m["loss"], rtol=1e-5)
+  w = state.params["decoder"]["layers"]["mlp"]["w_gate_df"]
+  assert w.get_value().sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+
+
+def test_adam_moments_are_sharded_like_params():
+  mesh = build_mesh(MeshConfig(1, 4, 2))
+  model = create_sharded(lambda: Transformer(tiny(), rngs=nnx.Rngs(5)), mesh)
+  state = _state(model)
+  params = jax.tree.leaves(state.params)
+  moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
+  assert len(moments) == 2 * len(params)
+  for p, mu, nu in zip(params, moments[: len(params)], moments[len(params) :], strict=True):
+    assert mu.sharding == p.sharding and nu.sharding == p.sharding
+
+
+def test_warmup_cosine_schedule():
+  _, schedule = make_optimizer(OptimConfig(learning_rate=1.0, warmup_steps=10), 110)
+  assert float(schedule(0)) == 0.0 and math.isclose(float(schedule(5)), 0.5)
+  assert math.isclose(float(schedule(10)), 1.0) and math.isclose(float(schedule(110)), 0.1, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 4, 7])
+def test_pass_at_k_matches_brute_force(n):
+  for c in range(n + 1):
+    outcomes = [True] * c + [False] * (n - c)
+    for k in range(1, n + 1):
+      subsets = list(itertools.combinations(range(n), k))
+      brute = sum(any(outcomes[i] for i in s) for s in subsets) / len(subsets)
+      assert math.isclose(pass_at_k(n, c, k), brute, rel_tol=1e-12, abs_tol=1e-12)
+  with pytest.raises(ValueError):
+    pass_at_k(4, 5, 1)
+
+
+# ----------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------
+
+FAST = [
+  "--model_preset=tiny",
+  "--sft_steps=6",
+  "--sft_batch_size=16",
+  "--max_steps=3",
+  "--prompts_per_step=8",
+  "--num_samples=4",
+  "--eval_prompts=16",
+  "--eval_samples=2",
+  "--eval_every=2",
+  "--checkpoint_every=2",
+  "--max_new_tokens=6",
+]
+
+
+def _cfg(tmp_path, *extra) -> Config:
+  path = os.path.join(ROOT, "experiments", "grpo_tiny.flags")
+  return parse_config(["prog", f"--flagfile={path}", f"--run_dir={tmp_path}", *FAST, *extra])
+
+
+def test_rl_steps_compile_nothing_after_warmup_and_keep_heldout_out(tmp_path):
+  from mimo_jax.train.loop import RLRun
+
+  cfg = _cfg(tmp_path, "--mesh_fsdp=4", "--mesh_data=2")
+  run = RLRun(cfg, str(tmp_path))
+  state = run.setup_rl()
+  heldout = {p.uid for p in run.heldout}
+  state, _ = run.step(state, 0)
+  state, _ = run.step(state, 1)
+  with count_compilations() as c:
+    for step in range(2, 5):
+      state, (record, hist) = run.step(state, step)
+  assert c.count == 0
+  assert record["time_step_s"] > 0 and set(hist) == {"reward_hist", "response_len_hist"}
+  # Training prompts never come from the held-out split.
+  seen = {p.uid for p in run.task.sample(np.random.default_rng(0), 2000)}
+  assert not (seen & heldout)
+  run.ckpt.close()
+  run.logger.close()
+
+
+def test_end_to_end_run_writes_the_run_directory(tmp_path, capsys):
+  path = os.path.join(ROOT, "experiments", "grpo_tiny.flags")
+  assert main(["prog", f"--flagfile={path}", f"--run_dir={tmp_path}", *FAST, "--mesh_fsdp=8"]) == 0
+  out = capsys.readouterr().out
+  assert "held-out greedy accuracy: warm-start" in out and str(tmp_path) in out
+  lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  rl = [r for r in lines if r["step"] >= 1 and "reward_mean" in r]
+  assert [r["step"] for r in rl] == [1, 2, 3]
+  for key in (
+    "reward_mean",
+    "reward_std",
+    "accuracy",
+    "kl_k3",
+    "entropy",
+    "clipfrac",
+    "grad_norm",
+    "lr",
+    "response_len",
+    "time_generate_s",
+    "time_reward_s",
+    "time_train_s",
+  ):
+    assert key in rl[0], key
+  assert "eval/greedy_accuracy" in rl[1] and "time_checkpoint_s" in rl[1]
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["seed"] == 0 and summary["rl_steps"] == 3
+  assert set(summary["warm_start"]) >= {"greedy_accuracy", "pass@1", "pass@2"}
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config["run"]["max_steps"] == 3
+  assert os.listdir(tmp_path / "tensorboard")
+  assert sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit()) == [2, 3]
+
+
+def test_dry_run_tiny_compiles_every_step(capsys):
+  from mimo_jax.train.dry_run import dry_run
+
+  cfg = parse_config(["prog", f"--flagfile={os.path.join(ROOT, 'experiments', 'grpo_tiny.flags')}", "--dry_run"])
+  report = dry_run(cfg)
+  assert set(report["compiled"]) == {"update", "score", "generate"}
+  assert report["per_device_gib"]["params"] > 0
+  assert "per-device storage" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_dry_run_13b_on_8_devices():
+  from mimo_jax.train.dry_run import dry_run
+
+  cfg = parse_config(["prog", f"--flagfile={os.path.join(ROOT, 'experiments', 'grpo_13b.flags')}", "--dry_run"])
+  report = dry_run(cfg)
+  assert report["params"] == 13_015_864_320
+  # bf16 parameters, FSDP x tensor over 8 devices: 26 GB / 8 per device.
+  np.testing.assert_allclose(report["per_device_gib"]["params"], 13_015_864_320 * 2 / 8 / 1024**3, rtol=0.01)
+  # Adam's two moments are sharded like the parameters (not replicated over fsdp).
+  np.testing.assert_allclose(
+    report["per_device_gib"]["optimizer_state"], 2 * report["per_device_gib"]["params"], rtol=0.01
+  )
+  update = report["compiled"]["update"]
+  assert update["temp_gib"] > 0 and update["alias_gib"] > 0.9 * update["output_gib"]  # the state is donated
+
+
+@pytest.mark.parametrize("correct_samples, expected_reward", [((0, 2), 0.5), ((0, 1, 2, 3), 1.0)])
+def test_reward_and_advantage_wiring_with_a_scripted_rollout(tmp_path, correct_samples, expected_reward):
+  from mimo_jax.testing import FakeRollout
+  from mimo_jax.train.loop import RLRun
+
+  cfg = _cfg(tmp_path, "--mesh_fsdp=8", "--kl_coef=0")
+  holder = {}
+
+  def respond(prompt_ids, g):
+    tok = holder["run"].tokenizer
+    prompt = tok.decode(prompt_ids)
+    problem = next(p for p in holder["problems"] if p.prompt == prompt)
+    answer = problem.answer if g in correct_samples else problem.answer + "1"
+    return tok.encode(answer) + [tok.eos_id]
+
+  run = RLRun(cfg, str(tmp_path), rollout_factory=lambda model, mesh: FakeRollout(respond, batch_shards=8))
+  holder["run"] = run
+  state = run.setup_rl()
+  # Replay the data stream to know which problems the step will draw.
+  replay = np.random.default_rng()
+  replay.bit_generator.state = run.data_rng.bit_generator.state
+  holder["problems"] = run.task.sample(replay, cfg.data.prompts_per_step)
+  version = run.sampler.params_version
+  state, (record, hist) = run.step(state, 0)
+  assert record["reward_mean"] == expected_reward and record["accuracy"] == expected_reward
+  assert record["frac_groups_all_equal"] == (1.0 if expected_reward == 1.0 else 0.0)
+  if expected_reward == 1.0:
+    assert record["adv_abs_mean"] == 0.0 and record["pg_loss"] == 0.0  # nothing to learn from
+  else:
+    assert record["adv_abs_mean"] > 0.5
+  G = cfg.rollout.num_samples
+  expected = [float(g in correct_samples) for _ in range(cfg.data.prompts_per_step) for g in range(G)]
+  np.testing.assert_array_equal(hist["reward_hist"], expected)
+  assert run.sampler.params_version == version + 1  # weights synced after the update
+  run.ckpt.close()
+  run.logger.close()
