@@ -188,13 +188,23 @@ class DataConfig:
 class CheckpointConfig:
   """Orbax checkpoints of the train state."""
 
-  checkpoint_every: int = field(0, "Save every N steps (0: only at the end).")
-  keep_last: int = field(3, "Checkpoints to keep.")
-  resume: bool = field(True, "Resume from the run directory's latest checkpoint if there is one.")
+  checkpoint_every: int = field(0, "Save every N steps, SFT and RL (0: only at phase ends).")
+  keep_last: int = field(3, "Newest checkpoints to keep.")
+  keep_every: int = field(0, "Also keep every checkpoint whose step is a multiple of this (0: none).")
+  async_save: bool = field(True, "Write checkpoints in the background while training continues.")
+  resume: bool = field(True, "Resume from the run directory's latest intact checkpoint if there is one.")
+  rollback_to: int = field(-1, "Restore the full state of this RL step (dropping later checkpoints) and continue.")
+  max_bad_steps: int = field(3, "Roll back to the last good checkpoint after this many consecutive non-finite steps.")
+  rollback_reset_optimizer: bool = field(False, "Re-initialise the optimizer state when rolling back.")
+  rollback_lr_factor: float = field(0.5, "Multiply the learning rate by this after a non-finite rollback.")
 
   def __post_init__(self):
     check(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every, "must be >= 0")
     check(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")
+    check(self.keep_every >= 0, "keep_every", self.keep_every, "must be >= 0")
+    check(self.rollback_to >= -1, "rollback_to", self.rollback_to, "must be -1 (off) or a step >= 0")
+    check(self.max_bad_steps >= 1, "max_bad_steps", self.max_bad_steps, "must be >= 1")
+    check(0 < self.rollback_lr_factor <= 1, "rollback_lr_factor", self.rollback_lr_factor, "must be in (0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +234,7 @@ class RunConfig:
   eval_samples: int = field(8, "Samples per held-out prompt for pass@k (k = 1 and this number).")
   eval_temperature: float = field(1.0, "Sampling temperature of the pass@k evaluation.")
   dry_run: bool = field(False, "Build and AOT-compile everything abstractly, print memory, exit.")
+  debug_nan_steps: str = field("", "Fault injection for tests: RL steps (comma-separated) whose advantages are NaN.")
 
   def __post_init__(self):
     check_choices(self)
@@ -232,6 +243,8 @@ class RunConfig:
     check(self.eval_every >= 0, "eval_every", self.eval_every, "must be >= 0")
     check(self.eval_samples >= 1, "eval_samples", self.eval_samples, "must be >= 1")
     check(self.eval_temperature > 0, "eval_temperature", self.eval_temperature, "must be > 0")
+    if self.debug_nan_steps:
+      parse_int_list("debug_nan_steps", self.debug_nan_steps)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -195,7 +195,8 @@ def test_rl_steps_compile_nothing_after_warmup_and_keep_heldout_out(tmp_path):
 
   cfg = _cfg(tmp_path, "--mesh_fsdp=4", "--mesh_data=2")
   run = RLRun(cfg, str(tmp_path))
-  state = run.setup_rl()
+  run.open_logger(None)
+  state = run.begin_rl(run.fresh_state("rl").params, {})
   heldout = {p.uid for p in run.heldout}
   state, _ = run.step(state, 0)
   state, _ = run.step(state, 1)
@@ -207,8 +208,7 @@ def test_rl_steps_compile_nothing_after_warmup_and_keep_heldout_out(tmp_path):
   # Training prompts never come from the held-out split.
   seen = {p.uid for p in run.task.sample(np.random.default_rng(0), 2000)}
   assert not (seen & heldout)
-  run.ckpt.close()
-  run.logger.close()
+  run.close()
 
 
 def test_end_to_end_run_writes_the_run_directory(tmp_path, capsys):
@@ -241,7 +241,8 @@ def test_end_to_end_run_writes_the_run_directory(tmp_path, capsys):
   config = json.loads((tmp_path / "config.json").read_text())
   assert config["run"]["max_steps"] == 3
   assert os.listdir(tmp_path / "tensorboard")
-  assert sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit()) == [2, 3]
+  # One checkpoint axis: SFT steps 1..6, then RL step k at 6 + 1 + k; the newest 3 are kept.
+  assert sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit()) == [7, 9, 10]
 
 
 def test_dry_run_tiny_compiles_every_step(capsys):
@@ -288,7 +289,8 @@ def test_reward_and_advantage_wiring_with_a_scripted_rollout(tmp_path, correct_s
 
   run = RLRun(cfg, str(tmp_path), rollout_factory=lambda model, mesh: FakeRollout(respond, batch_shards=8))
   holder["run"] = run
-  state = run.setup_rl()
+  run.open_logger(None)
+  state = run.begin_rl(run.fresh_state("rl").params, {})
   # Replay the data stream to know which problems the step will draw.
   replay = np.random.default_rng()
   replay.bit_generator.state = run.data_rng.bit_generator.state
@@ -305,5 +307,4 @@ def test_reward_and_advantage_wiring_with_a_scripted_rollout(tmp_path, correct_s
   expected = [float(g in correct_samples) for _ in range(cfg.data.prompts_per_step) for g in range(G)]
   np.testing.assert_array_equal(hist["reward_hist"], expected)
   assert run.sampler.params_version == version + 1  # weights synced after the update
-  run.ckpt.close()
-  run.logger.close()
+  run.close()

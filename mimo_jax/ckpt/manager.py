@@ -1,22 +1,91 @@
-"""Orbax ``CheckpointManager`` over the train state, with JSON metadata beside it.
+"""Transactional Orbax checkpoints of the whole RL state.
 
-On-disk layout (one directory per checkpointed step, committed atomically by Orbax:
-a killed save leaves ``<step>.orbax-checkpoint-tmp*`` which is never read)::
+On-disk layout (one directory per checkpointed step, committed atomically by Orbax: a
+killed save leaves ``<step>.orbax-checkpoint-tmp*``, which is never read and is
+cleaned up by the next manager)::
 
-    <run_dir>/checkpoints/<step>/state/     # the array pytree (params, opt state, rng key data, ...)
-    <run_dir>/checkpoints/<step>/meta/      # JSON: step, phase, data position, config digest, ...
+    <run_dir>/checkpoints/<step>/state/   # Orbax pytree: params, optimizer state, controller
+                                          # scalars, PRNG key data (uint32), step counters
+    <run_dir>/checkpoints/<step>/meta/    # JSON, validated against checkpoints_schema/:
+                                          # phase, step, data-sampler RNG state, buffer
+                                          # metadata, per-array fingerprints, ...
 
-PRNG keys are stored as their ``key_data`` (uint32) so any key implementation restores.
+A step is either fully there or absent.  On restore, every array's fingerprint (a
+uint32 checksum of its bits, computed on device at save time) is recomputed and
+compared, so a truncated or corrupted file is detected; :meth:`Checkpointer.restore_latest`
+then falls back to the previous step and says so.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import shutil
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
+
+from mimo_jax.ckpt import schema
+
+
+class CheckpointCorrupted(RuntimeError):
+  """A checkpoint that cannot be read back intact."""
+
+
+def _path_str(path) -> str:
+  return "/".join(str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))) for p in path)
+
+
+@jax.jit
+def _shard_checksum(x: jax.Array, flat_index: jax.Array) -> jax.Array:
+  """Sum over elements of bits * odd(global position), mod 2^32 (one shard, one device)."""
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  width = x.dtype.itemsize
+  bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[width])
+  if width == 8:  # two uint32 words per element
+    bits = bits.reshape(flat_index.shape + (2,))
+    flat_index = (flat_index[..., None] * 2 + jnp.arange(2, dtype=jnp.uint32)).astype(jnp.uint32)
+  weights = (flat_index.astype(jnp.uint32) * jnp.uint32(2654435761)) | jnp.uint32(1)
+  return jnp.sum(bits.astype(jnp.uint32) * weights, dtype=jnp.uint32)
+
+
+def _global_flat_index(shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+  """Row-major global positions of the elements of one shard."""
+  grids = np.ix_(*[np.arange(*sl.indices(n)) for sl, n in zip(index, shape, strict=True)]) if shape else ()
+  strides = np.cumprod((1,) + shape[::-1][:-1])[::-1] if shape else ()
+  flat = np.zeros([len(np.arange(*sl.indices(n))) for sl, n in zip(index, shape, strict=True)], np.uint64)
+  for g, st in zip(grids, strides, strict=True):
+    flat = flat + g.astype(np.uint64) * np.uint64(st)
+  return (flat % (1 << 32)).astype(np.uint32)
+
+
+def _array_checksum(x: jax.Array) -> int:
+  """Layout-independent checksum of a (possibly sharded) array, computed shard by shard on
+  each shard's own device: no collectives, so it is safe next to background saves."""
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if not isinstance(x, jax.Array):
+    x = jnp.asarray(x)
+  seen, total = set(), 0
+  for shard in x.addressable_shards:
+    key = tuple((sl.start, sl.stop, sl.step) for sl in shard.index)
+    if key in seen:  # a replica of a block already counted
+      continue
+    seen.add(key)
+    flat = jax.device_put(_global_flat_index(x.shape, shard.index), shard.device)
+    total = (total + int(_shard_checksum(shard.data, flat))) % (1 << 32)
+  return total
+
+
+def fingerprint(tree: Any) -> dict[str, int]:
+  """``{path: uint32 checksum}`` of every array in ``tree``."""
+  with_paths = jax.tree_util.tree_leaves_with_path(tree)
+  return {_path_str(p): _array_checksum(x) for p, x in with_paths}
 
 
 class Checkpointer:
@@ -25,21 +94,40 @@ class Checkpointer:
   Args:
     directory: where step directories live.
     keep_last: how many of the newest checkpoints to keep.
+    keep_every: also keep every step divisible by this (0: none).
     async_save: let saves run in the background (``wait`` before relying on them).
   """
 
-  def __init__(self, directory: str, *, keep_last: int = 3, async_save: bool = True):
+  def __init__(self, directory: str, *, keep_last: int = 3, keep_every: int = 0, async_save: bool = True):
     self.directory = os.path.abspath(directory)
+    os.makedirs(self.directory, exist_ok=True)
+    self._remove_partial_saves()
     options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep_last, create=True, enable_async_checkpointing=async_save, cleanup_tmp_directories=True
+      max_to_keep=keep_last,
+      keep_period=keep_every or None,
+      create=True,
+      enable_async_checkpointing=async_save,
     )
-    self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+    self._mgr = ocp.CheckpointManager(
+      self.directory,
+      options=options,
+      item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+    )
+
+  def _remove_partial_saves(self) -> None:
+    """Deletes directories left by saves that were killed before they committed."""
+    for name in os.listdir(self.directory):
+      if ".orbax-checkpoint-tmp" in name:
+        logging.warning("removing partial checkpoint %s (a save that never committed)", name)
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
-    """Starts saving ``state`` (arrays) and ``meta`` (JSON-able) as ``step``."""
+    """Starts saving ``state`` (arrays) and ``meta`` (schema-validated JSON) as ``step``."""
+    meta = {**meta, "schema_version": schema.SCHEMA_VERSION, "fingerprint": fingerprint(state)}
+    schema.validate(meta)
     self._mgr.save(
       step,
-      args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))),
+      args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
       force=True,
     )
 
@@ -47,15 +135,79 @@ class Checkpointer:
     return self._mgr.latest_step()
 
   def all_steps(self) -> list[int]:
-    return list(self._mgr.all_steps())
+    return sorted(self._mgr.all_steps())
+
+  def read_meta(self, step: int) -> dict[str, Any]:
+    restored = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    return schema.upgrade(dict(restored.meta))
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
-    """Restores ``step`` into the shapes/dtypes/shardings of ``abstract_state``."""
-    restored = self._mgr.restore(
-      step,
-      args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
-    )
-    return restored.state, dict(restored.meta)
+    """Restores ``step`` into the shapes/dtypes/shardings of ``abstract_state``.
+
+    Raises:
+      CheckpointCorrupted: unreadable files, invalid metadata or a fingerprint mismatch.
+    """
+    try:
+      restored = self._mgr.restore(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
+      )
+      meta = schema.upgrade(dict(restored.meta))
+    except schema.SchemaError as e:
+      raise CheckpointCorrupted(f"checkpoint {step}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - any read failure means this step is unusable
+      raise CheckpointCorrupted(f"checkpoint {step} could not be read: {type(e).__name__}: {e}") from e
+    got = fingerprint(restored.state)
+    bad = [k for k, v in meta["fingerprint"].items() if got.get(k) != v]
+    if bad or set(got) != set(meta["fingerprint"]):
+      raise CheckpointCorrupted(f"checkpoint {step}: contents do not match their fingerprints ({', '.join(bad[:3])})")
+    return restored.state, meta
+
+  def restore_untyped(self, step: int) -> Any:
+    """The array tree of ``step`` on this process's first device, whatever mesh saved it
+    (for export and inspection)."""
+    metadata = self._mgr.item_metadata(step)["state"]
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata)
+    restored = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+    return restored.state
+
+  def restore_latest(
+    self, abstract_state: Callable[[dict[str, Any]], Any] | Any, *, at_most: int | None = None
+  ) -> tuple[int, Any, dict[str, Any]] | None:
+    """Restores the newest intact step (``<= at_most``), falling back past corrupted ones.
+
+    Args:
+      abstract_state: the restore target, or a function of the step's metadata returning
+        it (the target can depend on the phase recorded in the metadata).
+      at_most: ignore steps above this.
+
+    Returns:
+      ``(step, state, meta)``, or None when no intact checkpoint exists.
+    """
+    for step in reversed(self.all_steps()):
+      if at_most is not None and step > at_most:
+        continue
+      try:
+        target = abstract_state(self.read_meta(step)) if callable(abstract_state) else abstract_state
+        state, meta = self.restore(step, target)
+      except (CheckpointCorrupted, schema.SchemaError) as e:
+        logging.error("%s; falling back to an earlier checkpoint", e)
+        print(f"warning: {e}; falling back to an earlier checkpoint", flush=True)
+        continue
+      except Exception as e:  # noqa: BLE001 - metadata unreadable: same treatment
+        logging.error("checkpoint %d is unreadable (%s); falling back", step, e)
+        print(f"warning: checkpoint {step} is unreadable ({type(e).__name__}: {e}); falling back", flush=True)
+        continue
+      return step, state, meta
+    return None
+
+  def delete_after(self, step: int) -> None:
+    """Deletes every checkpoint newer than ``step`` (used by rollback)."""
+    self.wait()
+    for s in self.all_steps():
+      if s > step:
+        self._mgr.delete(s)
 
   def wait(self) -> None:
     self._mgr.wait_until_finished()
@@ -65,6 +217,17 @@ class Checkpointer:
     self._mgr.close()
 
 
-def abstract_like(tree: Any) -> Any:
-  """``ShapeDtypeStruct``s (with shardings) matching a concrete pytree."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+def abstract_like(tree: Any, mesh: jax.sharding.Mesh | None = None) -> Any:
+  """``ShapeDtypeStruct``s (with shardings) matching a concrete pytree.
+
+  With ``mesh``, leaves that are not laid out on a named mesh (scalars, PRNG key data)
+  are restored replicated over it, so every restored array lives on the same devices.
+  """
+
+  def one(x):
+    sharding = getattr(x, "sharding", None)
+    if mesh is not None and not isinstance(sharding, jax.sharding.NamedSharding):
+      sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+  return jax.tree.map(one, tree)

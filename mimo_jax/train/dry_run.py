@@ -94,7 +94,14 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None) -> dict[str, Any]:
   abs_key = jax.ShapeDtypeStruct(abs_key.shape, abs_key.dtype, sharding=replicated)
   scalar_i32 = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
   abs_state = TrainState(
-    step=scalar_i32, params=abs_params, opt_state=abs_opt, rng=abs_key, skipped=scalar_i32, graphdef=graphdef, tx=tx
+    step=scalar_i32,
+    params=abs_params,
+    opt_state=abs_opt,
+    rng=abs_key,
+    skipped=scalar_i32,
+    lr_scale=jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),
+    graphdef=graphdef,
+    tx=tx,
   )
 
   # ---- rollout-shaped abstract batches

@@ -30,15 +30,49 @@ class MetricsLogger:
     tensorboard: also write TensorBoard event files under ``run_dir/tensorboard``.
   """
 
-  def __init__(self, run_dir: str, *, tensorboard: bool = True):
+  def __init__(self, run_dir: str, *, tensorboard: bool = True, keep_through: int | None = None):
+    """Args:
+    run_dir: the run directory (created).
+    tensorboard: also write TensorBoard event files.
+    keep_through: resuming: keep only records with ``step <= keep_through`` (later
+      ones were written after the checkpoint being resumed and will be written again);
+      None starts a fresh log.
+    """
     os.makedirs(run_dir, exist_ok=True)
+    self.run_dir = run_dir
     self.path = os.path.join(run_dir, "metrics.jsonl")
-    self._file = open(self.path, "a", buffering=1)
+    self._tensorboard = tensorboard
+    self._file = None
     self._tb = None
-    if tensorboard:
+    self._open(keep_through)
+
+  def _open(self, keep_through: int | None) -> None:
+    kept = []
+    if keep_through is not None and os.path.exists(self.path):
+      with open(self.path) as f:
+        for line in f:
+          try:
+            record = json.loads(line)
+          except json.JSONDecodeError:
+            continue  # a line cut by a kill
+          if record.get("step", math.inf) <= keep_through:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(kept)
+    os.replace(tmp, self.path)
+    self._file = open(self.path, "a", buffering=1)
+    if self._tensorboard:
       from tensorboardX import SummaryWriter
 
-      self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), flush_secs=10)
+      # purge_step hides events at or after it that an interrupted run had written.
+      purge = None if keep_through is None else keep_through + 1
+      self._tb = SummaryWriter(os.path.join(self.run_dir, "tensorboard"), flush_secs=10, purge_step=purge)
+
+  def truncate(self, keep_through: int) -> None:
+    """Drops records after ``keep_through`` (used by a rollback) and continues appending."""
+    self.close()
+    self._open(keep_through)
 
   def log(
     self, step: int, metrics: Mapping[str, Any], histograms: Mapping[str, np.ndarray] | None = None
@@ -55,9 +89,12 @@ class MetricsLogger:
     return record
 
   def close(self) -> None:
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
+      self._file = None
     if self._tb is not None:
       self._tb.close()
+      self._tb = None
 
 
 def format_progress(record: Mapping[str, Any], keys: tuple[str, ...]) -> str:

@@ -23,6 +23,7 @@ class TrainState(flax.struct.PyTreeNode):
     opt_state: the optax state.
     rng: PRNG key threaded through the steps.
     skipped: int32, updates skipped because the loss or gradients were not finite.
+    lr_scale: float32 multiplier on every update (lowered by a non-finite rollback).
     graphdef: the static half of ``nnx.split(model)``.
     tx: the optax transformation (static).
   """
@@ -32,6 +33,7 @@ class TrainState(flax.struct.PyTreeNode):
   opt_state: Any
   rng: jax.Array
   skipped: jax.Array
+  lr_scale: jax.Array
   graphdef: Any = flax.struct.field(pytree_node=False)
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
 
@@ -44,6 +46,7 @@ class TrainState(flax.struct.PyTreeNode):
       opt_state=init_opt_state(tx, params),
       rng=rng,
       skipped=jnp.zeros((), jnp.int32),
+      lr_scale=jnp.ones((), jnp.float32),
       graphdef=graphdef,
       tx=tx,
     )
@@ -135,6 +138,7 @@ def apply_gradients(state: TrainState, grads: Any, loss: jax.Array) -> tuple[Tra
   finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
   safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
   updates, new_opt = state.tx.update(safe_grads, state.opt_state, state.params)
+  updates = jax.tree.map(lambda u: (u * state.lr_scale).astype(u.dtype), updates)
   new_params = optax.apply_updates(state.params, updates)
 
   def keep(new, old):

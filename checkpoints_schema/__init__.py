@@ -1,0 +1,1 @@
+"""JSON schemas of checkpoint metadata (installed as ``mimo_jax.checkpoints_schema``)."""

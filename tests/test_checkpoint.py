@@ -1,0 +1,251 @@
+"""Every step a transaction: kill -9 and resume, corrupted checkpoints, SIGTERM, NaN
+rollback, --rollback_to, schema validation, export to Hugging Face."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from mimo_jax.ckpt import Checkpointer
+from mimo_jax.ckpt import schema as ckpt_schema
+from mimo_jax.main import main, parse_config
+from mimo_jax.testing import kill_resume
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGFILE = os.path.join(ROOT, "experiments", "grpo_tiny.flags")
+SMALL = [
+  f"--flagfile={FLAGFILE}",
+  "--model_preset=tiny",
+  "--sft_steps=6",
+  "--sft_batch_size=16",
+  "--max_steps=6",
+  "--prompts_per_step=8",
+  "--num_samples=4",
+  "--eval_prompts=16",
+  "--eval_samples=2",
+  "--eval_every=3",
+  "--max_new_tokens=6",
+  "--checkpoint_every=1",
+  "--keep_last=50",
+  "--mesh_fsdp=8",
+  "--tensorboard=false",
+]
+
+
+def _metrics(run_dir):
+  return kill_resume.load_metrics(str(run_dir))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+  """One uninterrupted run, checkpointed at every step (copied by the tests that modify it)."""
+  run_dir = tmp_path_factory.mktemp("ref") / "run"
+  assert main(["prog", *SMALL, f"--run_dir={run_dir}"]) == 0
+  return run_dir
+
+
+def _copy(run_dir, tmp_path):
+  dst = tmp_path / "run"
+  shutil.copytree(run_dir, dst)
+  return dst
+
+
+def test_checkpoint_metadata_matches_the_schema(finished_run):
+  ckpt = Checkpointer(str(finished_run / "checkpoints"), async_save=False)
+  steps = ckpt.all_steps()
+  # SFT steps 1..6, RL steps 0..6 at 7..13.
+  assert steps == list(range(1, 14))
+  meta = ckpt.read_meta(steps[-1])
+  ckpt.close()
+  ckpt_schema.validate(meta)
+  assert meta["phase"] == "rl" and meta["step"] == 6 and meta["buffer"]["pending"] == []
+  batches = meta["buffer"]["batches"]
+  assert [b["batch_id"] for b in batches] == list(range(6))
+  assert [b["policy_version"] for b in batches] == list(range(6))  # one update per step
+  assert all(b["status"] == "consumed" for b in batches)
+  assert {"greedy_accuracy", "pass@1"} <= set(meta["warm_start"])
+  assert "params/decoder/embed_vd/value" in meta["fingerprint"]
+  with pytest.raises(ckpt_schema.SchemaError, match="schema version 2 is not readable"):
+    ckpt_schema.validate({**meta, "schema_version": 2})
+  broken = dict(meta)
+  del broken["buffer"]
+  with pytest.raises(ckpt_schema.SchemaError, match="missing required field 'buffer'"):
+    ckpt_schema.validate(broken)
+  with pytest.raises(ckpt_schema.SchemaError, match=r"meta\.phase: 'ppo' is not one of"):
+    ckpt_schema.validate({**meta, "phase": "ppo"})
+
+
+def test_metrics_hold_each_step_once(finished_run):
+  steps = [r["step"] for r in _metrics(finished_run)]
+  assert len(steps) == len(set(steps))
+  assert [s for s in steps if s >= 1] == [1, 2, 3, 4, 5, 6, 7]  # 7 = the final evaluation
+
+
+def test_truncated_checkpoint_falls_back_to_the_previous_one(finished_run, tmp_path, capsys):
+  from mimo_jax.train.loop import RLRun
+
+  run_dir = _copy(finished_run, tmp_path)
+  latest = run_dir / "checkpoints" / "13" / "state"
+  files = sorted((p for p in latest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  victim = files[-1]
+  victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+  cfg = parse_config(["prog", *SMALL, f"--run_dir={run_dir}"])
+  run = RLRun(cfg, str(run_dir))
+  restored = run.restore()
+  run.close()
+  out = capsys.readouterr().out
+  assert "checkpoint 13" in out and "falling back" in out
+  assert restored.phase == "rl" and restored.step == 5  # checkpoint 12
+
+
+def test_rollback_to_replays_identically(finished_run, tmp_path, capsys):
+  run_dir = _copy(finished_run, tmp_path)
+  assert main(["prog", *SMALL, f"--run_dir={run_dir}", "--rollback_to=3"]) == 0
+  assert "rolled back to rl step 3" in capsys.readouterr().out
+  assert kill_resume.compare(str(finished_run), str(run_dir)) == []
+
+
+def test_resume_of_a_finished_run_changes_nothing(finished_run, tmp_path, capsys):
+  run_dir = _copy(finished_run, tmp_path)
+  assert main(["prog", *SMALL, f"--run_dir={run_dir}"]) == 0
+  assert "already complete" in capsys.readouterr().out
+  assert kill_resume.compare(str(finished_run), str(run_dir)) == []
+
+
+def test_export_loads_in_transformers(finished_run, tmp_path):
+  from flax import nnx
+
+  from mimo_jax.export import export, model_config_from_meta
+  from mimo_jax.models import Transformer
+
+  out = tmp_path / "hf"
+  assert export(str(finished_run), str(out)) == 13
+  hf = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+  hf.eval()
+  ckpt = Checkpointer(str(finished_run / "checkpoints"), async_save=False)
+  meta, tree = ckpt.read_meta(13), ckpt.restore_untyped(13)
+  ckpt.close()
+  model = nnx.eval_shape(lambda: Transformer(model_config_from_meta(meta), rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(model)
+  from mimo_jax.export import _unwrap_variables
+
+  nnx.replace_by_pure_dict(state, _unwrap_variables(tree["params"]))
+  ours = nnx.merge(graphdef, state)
+  tokens = np.random.default_rng(0).integers(0, ours.config.vocab_size, (2, 9))
+  with torch.no_grad():
+    ref = hf(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(np.asarray(ours(jax.numpy.asarray(tokens))), ref, atol=1e-4)
+
+
+def test_nan_updates_are_skipped_then_rolled_back(tmp_path, capsys):
+  from mimo_jax.train.loop import train
+
+  # RL steps 4, 5, 6 (0-based 3, 4, 5) get NaN advantages: three skipped updates in a row.
+  cfg = parse_config(
+    [
+      "prog",
+      *SMALL,
+      f"--run_dir={tmp_path}",
+      "--debug_nan_steps=3,4,5",
+      "--max_bad_steps=3",
+      "--rollback_lr_factor=0.5",
+      "--rollback_reset_optimizer",
+    ]
+  )
+  summary = train(cfg)
+  out = capsys.readouterr().out
+  assert "rolled back from RL step 6 to step 3 after 3 consecutive non-finite steps" in out
+  assert "optimizer reset: yes, lr scale now 0.5" in out
+  assert summary["rollbacks"] == 1 and summary["nonfinite_steps"] == 3
+  steps = [r["step"] for r in _metrics(tmp_path)]
+  assert len(steps) == len(set(steps)) and [s for s in steps if s >= 1] == [1, 2, 3, 4, 5, 6, 7]
+  ckpt = Checkpointer(str(tmp_path / "checkpoints"), async_save=False)
+  tree = ckpt.restore_untyped(ckpt.all_steps()[-1])
+  ckpt.close()
+  assert float(tree["lr_scale"]) == 0.5
+  assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(tree["params"]))
+
+
+def _wait_for(predicate, timeout_s):
+  deadline = time.time() + timeout_s
+  while time.time() < deadline:
+    if predicate():
+      return True
+    time.sleep(0.2)
+  return False
+
+
+def _rl_steps_logged(run_dir):
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  steps = []
+  for line in open(path):
+    try:
+      r = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if "reward_mean" in r:
+      steps.append(r["step"])
+  return steps
+
+
+@pytest.mark.slow
+def test_sigterm_saves_at_the_step_boundary_and_exits_cleanly(tmp_path):
+  run_dir = str(tmp_path / "run")
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+  flags = [*SMALL, "--mesh_fsdp=2", "--max_steps=40", "--checkpoint_every=0", f"--run_dir={run_dir}"]
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "mimo_jax.main", *flags],
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
+  assert _wait_for(lambda: len(_rl_steps_logged(run_dir)) >= 2, 300)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=300)
+  assert proc.returncode == 0, out
+  assert "preempted: state saved at RL step" in out
+  last = _rl_steps_logged(run_dir)[-1]
+  assert last < 40
+  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), async_save=False)
+  meta = ckpt.read_meta(ckpt.all_steps()[-1])
+  ckpt.close()
+  assert meta["phase"] == "rl" and meta["step"] == last and meta["log_step"] == last
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_moments_then_resume_is_bit_identical(tmp_path):
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+  flags = [
+    f"--flagfile={FLAGFILE}",
+    "--model_preset=tiny",
+    "--sft_steps=20",
+    "--sft_batch_size=16",
+    "--max_steps=24",
+    "--prompts_per_step=8",
+    "--num_samples=4",
+    "--eval_prompts=16",
+    "--eval_samples=2",
+    "--eval_every=8",
+    "--checkpoint_every=1",
+    "--mesh_fsdp=2",
+    "--tensorboard=false",
+  ]
+  ref, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
+  kill_resume.run_uninterrupted(flags, ref, env)
+  kills = kill_resume.run_with_kills(flags, killed, env, kills=4, seed=0, min_s=8.0, max_s=30.0)
+  assert len(kills) >= 3, kills
+  log = open(killed + ".log").read()
+  assert log.count("resumed from") >= 2
+  assert kill_resume.compare(ref, killed) == []
