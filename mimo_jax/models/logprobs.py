@@ -25,9 +25,14 @@ def _completion_logits(model, prompt_tokens, prompt_mask, completion_tokens, com
   return logits[:, P - 1 : P - 1 + M].astype(jnp.float32)
 
 
-def _temperature(temperature, batch: int) -> jax.Array:
-  temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (batch,))
-  return jnp.where(temp <= 0, 1.0, temp)
+def _scaled_log_softmax(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature):
+  """``(log softmax(logits / T) [B, M, V], logp of the completion tokens [B, M])``."""
+  logits = _completion_logits(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+  temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (logits.shape[0],))
+  temp = jnp.where(temp <= 0, 1.0, temp)
+  logp_all = jax.nn.log_softmax(logits / temp[:, None, None], axis=-1)
+  logp = jnp.take_along_axis(logp_all, completion_tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  return logp_all, logp
 
 
 def completion_stats(
@@ -51,10 +56,9 @@ def completion_stats(
   Returns:
     ``(logprobs, entropy)``, both float32 ``[B, M]`` and zero where the mask is False.
   """
-  logits = _completion_logits(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask)
-  temp = _temperature(temperature, logits.shape[0])
-  logp_all = jax.nn.log_softmax(logits / temp[:, None, None], axis=-1)
-  logp = jnp.take_along_axis(logp_all, completion_tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  logp_all, logp = _scaled_log_softmax(
+    model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature
+  )
   entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
   return jnp.where(completion_mask, logp, 0.0), jnp.where(completion_mask, entropy, 0.0)
 
@@ -71,8 +75,5 @@ def completion_logprobs(
 
   See :func:`completion_stats` for the arguments.
   """
-  logits = _completion_logits(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask)
-  temp = _temperature(temperature, logits.shape[0])
-  logp_all = jax.nn.log_softmax(logits / temp[:, None, None], axis=-1)
-  logp = jnp.take_along_axis(logp_all, completion_tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  _, logp = _scaled_log_softmax(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature)
   return jnp.where(completion_mask, logp, 0.0)

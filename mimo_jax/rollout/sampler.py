@@ -173,8 +173,10 @@ class Sampler:
       positions = positions_from_mask(prompt_mask)
       cache = KVCache.init(self.config, Np, P + M, self.cache_dtype)
       cache = _constrain_cache(cache)
-      logits, cache = model(prompt_tokens, attention_mask=prompt_mask, positions=positions, cache=cache)
-      last_logits = logits[:, -1]  # left padding: the last slot is the last real token
+      hidden, cache = model.hidden(prompt_tokens, attention_mask=prompt_mask, positions=positions, cache=cache)
+      # Left padding: the last slot is the last real token. Unembed only that position
+      # (the full [Np, P, V] logits would cost P times the head's FLOPs for nothing).
+      last_logits = model.logits_from_hidden(hidden[:, -1:])[:, 0]
 
       # ---- fan out to G samples per prompt
       def fan(x):
