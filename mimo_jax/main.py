@@ -139,6 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_config(argv)
     import jax
 
+    from mimo_jax.sharding import initialize_distributed
+
+    initialize_distributed(cfg.mesh)  # multi-host pods: before any device is touched
     validate(cfg, jax.device_count())
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
