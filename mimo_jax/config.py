@@ -117,6 +117,9 @@ class AlgoConfig:
   num_minibatches: int = field(1, "Minibatches per pass.")
   grad_accum: int = field(1, "Micro-batches per minibatch (gradient accumulation).")
   use_value_model: bool = field(False, "Train a value model (PPO with GAE).")
+  logprob_impl: str = field(
+    "full", "Training log-probs/entropy: full logits, or the fused streaming kernel.", choices=("full", "fused")
+  )
 
   def __post_init__(self):
     check_choices(self)

@@ -308,3 +308,25 @@ def test_reward_and_advantage_wiring_with_a_scripted_rollout(tmp_path, correct_s
   np.testing.assert_array_equal(hist["reward_hist"], expected)
   assert run.sampler.params_version == version + 1  # weights synced after the update
   run.close()
+
+
+def test_fused_logprob_kernel_in_the_loss_matches_full_logits():
+  from mimo_jax.train.steps import make_score_fn
+
+  model = Transformer(tiny(), rngs=nnx.Rngs(6))
+  out, batch = _rollout_batch(model, seed=6)
+  graphdef, params = nnx.split(model)
+  seqs = SequenceBatch(out.prompt_tokens, out.prompt_mask, out.completion_tokens, out.completion_mask)
+  temps = out.temperature * jnp.linspace(0.7, 1.3, out.temperature.shape[0])  # per-row temperatures
+  full = make_score_fn(graphdef, None, use_reference=True)(params, params, seqs, temps)
+  fused = make_score_fn(graphdef, None, use_reference=True, logprob_impl="fused")(params, params, seqs, temps)
+  np.testing.assert_allclose(fused[0], full[0], atol=2e-5)
+  results = []
+  for impl in ("full", "fused"):
+    state0 = _state(Transformer(tiny(), rngs=nnx.Rngs(6)), tx=optax.sgd(1.0))
+    state, metrics = make_update_fn(None, UpdateSettings(logprob_impl=impl))(state0, batch, COEFS)
+    results.append((state.params, metrics))
+  (p_full, m_full), (p_fused, m_fused) = results
+  for k in ("loss", "pg_loss", "kl_loss", "entropy", "grad_norm"):
+    np.testing.assert_allclose(m_fused[k], m_full[k], rtol=1e-4, atol=1e-6, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p_fused, p_full)

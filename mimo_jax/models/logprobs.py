@@ -35,6 +35,32 @@ def _scaled_log_softmax(model, prompt_tokens, prompt_mask, completion_tokens, co
   return logp_all, logp
 
 
+LOGPROB_IMPLS = ("full", "fused")
+
+
+def _fused_stats(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature):
+  """Like :func:`_scaled_log_softmax` + entropy, without the ``[B, M, V]`` logits.
+
+  The per-row temperature is folded into the hidden states (``(h / T) @ W == (h @ W) / T``),
+  and :func:`mimo_jax.kernels.fused_logprobs.fused_logprobs` streams over vocabulary blocks
+  in the forward and the backward pass.
+  """
+  from mimo_jax.kernels import fused_logprobs as fused
+
+  P, M = prompt_tokens.shape[1], completion_tokens.shape[1]
+  tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
+  mask = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)
+  hidden, _ = model.hidden(tokens, attention_mask=mask, positions=positions_from_mask(mask))
+  hidden = hidden[:, P - 1 : P - 1 + M].astype(jnp.float32)
+  B, _, D = hidden.shape
+  temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))
+  temp = jnp.where(temp <= 0, 1.0, temp)
+  w = model.unembedding()
+  scaled = (hidden / temp[:, None, None]).astype(w.dtype).reshape(B * M, D)
+  stats = fused.fused_logprobs(scaled, w, completion_tokens.reshape(-1).astype(jnp.int32))
+  return stats.logprobs.reshape(B, M), stats.entropy.reshape(B, M)
+
+
 def completion_stats(
   model: Transformer,
   prompt_tokens: jax.Array,
@@ -42,6 +68,8 @@ def completion_stats(
   completion_tokens: jax.Array,
   completion_mask: jax.Array,
   temperature: jax.Array | float = 1.0,
+  *,
+  impl: str = "full",
 ) -> tuple[jax.Array, jax.Array]:
   """Log-probs and entropies of the completion tokens under ``softmax(logits / T)``.
 
@@ -52,10 +80,17 @@ def completion_stats(
     completion_tokens: int32 ``[B, M]``, right-padded.
     completion_mask: bool ``[B, M]``.
     temperature: scalar or ``[B]``; ``<= 0`` (greedy) is treated as 1.
+    impl: ``full`` (materialise ``[B, M, V]`` logits) or ``fused`` (the streaming kernel:
+      O(B x M x block) extra memory, gradients computed blockwise).
 
   Returns:
     ``(logprobs, entropy)``, both float32 ``[B, M]`` and zero where the mask is False.
   """
+  if impl == "fused":
+    logp, entropy = _fused_stats(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature)
+    return jnp.where(completion_mask, logp, 0.0), jnp.where(completion_mask, entropy, 0.0)
+  if impl != "full":
+    raise ValueError(f"impl must be one of {LOGPROB_IMPLS}, got {impl!r}")
   logp_all, logp = _scaled_log_softmax(
     model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature
   )

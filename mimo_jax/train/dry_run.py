@@ -136,6 +136,7 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None) -> dict[str, Any]:
     epochs=cfg.algo.ppo_epochs,
     num_minibatches=cfg.algo.num_minibatches,
     grad_accum=cfg.algo.grad_accum,
+    logprob_impl=cfg.algo.logprob_impl,
   )
   coefs = LossCoefs(kl_coef=jnp.float32(0), entropy_coef=jnp.float32(0))
   report: dict[str, Any] = {
@@ -160,7 +161,7 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None) -> dict[str, Any]:
   times = {"update": time.perf_counter() - t}
 
   t = time.perf_counter()
-  score_fn = make_score_fn(graphdef, mesh, use_reference=use_kl)
+  score_fn = make_score_fn(graphdef, mesh, use_reference=use_kl, logprob_impl=cfg.algo.logprob_impl)
   compiled["score"] = score_fn.lower(abs_params, abs_params if use_kl else None, seqs, batch.temperature).compile()
   times["score"] = time.perf_counter() - t
 

@@ -198,7 +198,9 @@ class RLRun:
     self.sft_step_fn = make_sft_step(self.mesh)
     self.use_kl = cfg.algo.kl_coef > 0
     self.ref_params = None
-    self.score_fn = make_score_fn(self.graphdef, self.mesh, use_reference=self.use_kl)
+    self.score_fn = make_score_fn(
+      self.graphdef, self.mesh, use_reference=self.use_kl, logprob_impl=cfg.algo.logprob_impl
+    )
     self.adv_fn = make_advantage_fn(cfg.rollout.num_samples, cfg.algo.advantage)
     settings = UpdateSettings(
       policy_loss=cfg.algo.policy_loss,
@@ -212,6 +214,7 @@ class RLRun:
       epochs=cfg.algo.ppo_epochs,
       num_minibatches=cfg.algo.num_minibatches,
       grad_accum=cfg.algo.grad_accum,
+      logprob_impl=cfg.algo.logprob_impl,
     )
     self.update_fn = make_update_fn(self.mesh, settings)
     self.coefs = LossCoefs(kl_coef=jnp.float32(cfg.algo.kl_coef), entropy_coef=jnp.float32(cfg.algo.entropy_coef))

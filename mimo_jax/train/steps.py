@@ -93,6 +93,7 @@ class UpdateSettings:
     epochs: passes over the batch.
     num_minibatches: optimizer updates per pass.
     grad_accum: micro-batches per minibatch.
+    logprob_impl: ``full`` logits or the ``fused`` streaming kernel for log-probs/entropy.
   """
 
   policy_loss: str = "ppo"
@@ -106,6 +107,7 @@ class UpdateSettings:
   epochs: int = 1
   num_minibatches: int = 1
   grad_accum: int = 1
+  logprob_impl: str = "full"
 
 
 # ----------------------------------------------------------------------------
@@ -165,19 +167,24 @@ def make_sft_step(mesh: Mesh | None):
 # ----------------------------------------------------------------------------
 
 
-def make_score_fn(graphdef: Any, mesh: Mesh | None, *, use_reference: bool):
+def make_score_fn(graphdef: Any, mesh: Mesh | None, *, use_reference: bool, logprob_impl: str = "full"):
   """A jitted ``(params, ref_params, batch, temperature) -> (old_logprobs, ref_logprobs)``.
 
   Both are teacher-forced at the sampling temperature.  Without a reference the
   second output is zeros (and no reference forward pass is compiled).
   """
 
+  def logprobs(model, *args):
+    if logprob_impl == "full":
+      return completion_logprobs(model, *args)
+    return completion_stats(model, *args, impl=logprob_impl)[0]
+
   def score(params, ref_params, batch: SequenceBatch, temperature):
     args = (batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask, temperature)
     with _rules(mesh):
-      old = completion_logprobs(nnx.merge(graphdef, params), *args)
+      old = logprobs(nnx.merge(graphdef, params), *args)
       if use_reference:
-        ref = completion_logprobs(nnx.merge(graphdef, jax.lax.stop_gradient(ref_params)), *args)
+        ref = logprobs(nnx.merge(graphdef, jax.lax.stop_gradient(ref_params)), *args)
       else:
         ref = jnp.zeros_like(old)
     return old, ref
@@ -212,7 +219,13 @@ def policy_objective(
   """
   model = nnx.merge(graphdef, params)
   logp, entropy = completion_stats(
-    model, mb.prompt_tokens, mb.prompt_mask, mb.completion_tokens, mb.completion_mask, mb.temperature
+    model,
+    mb.prompt_tokens,
+    mb.prompt_mask,
+    mb.completion_tokens,
+    mb.completion_mask,
+    mb.temperature,
+    impl=settings.logprob_impl,
   )
   mask = mb.completion_mask
   pg_loss, pg_metrics = policy_loss(
