@@ -191,13 +191,12 @@ class Checkpointer:
       try:
         target = abstract_state(self.read_meta(step)) if callable(abstract_state) else abstract_state
         state, meta = self.restore(step, target)
-      except (CheckpointCorrupted, schema.SchemaError) as e:
-        logging.error("%s; falling back to an earlier checkpoint", e)
-        print(f"warning: {e}; falling back to an earlier checkpoint", flush=True)
-        continue
-      except Exception as e:  # noqa: BLE001 - metadata unreadable: same treatment
-        logging.error("checkpoint %d is unreadable (%s); falling back", step, e)
-        print(f"warning: checkpoint {step} is unreadable ({type(e).__name__}: {e}); falling back", flush=True)
+      except Exception as e:  # noqa: BLE001 - any unreadable step is skipped the same way
+        why = (
+          str(e) if isinstance(e, CheckpointCorrupted) else f"checkpoint {step} is unreadable ({type(e).__name__}: {e})"
+        )
+        logging.error("%s; falling back to an earlier checkpoint", why)
+        print(f"warning: {why}; falling back to an earlier checkpoint", flush=True)
         continue
       return step, state, meta
     return None

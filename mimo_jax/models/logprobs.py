@@ -16,13 +16,19 @@ import jax.numpy as jnp
 from mimo_jax.models.transformer import Transformer, positions_from_mask
 
 
-def _completion_logits(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask):
+def _completion_hidden(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask):
+  """Final hidden states ``[B, M, D]`` at the positions that predict the completion tokens."""
   P, M = prompt_tokens.shape[1], completion_tokens.shape[1]
   tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
   mask = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)
-  logits = model(tokens, attention_mask=mask, positions=positions_from_mask(mask))
+  hidden, _ = model.hidden(tokens, attention_mask=mask, positions=positions_from_mask(mask))
   # Position P-1+t predicts completion token t.
-  return logits[:, P - 1 : P - 1 + M].astype(jnp.float32)
+  return hidden[:, P - 1 : P - 1 + M]
+
+
+def _completion_logits(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask):
+  hidden = _completion_hidden(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+  return model.logits_from_hidden(hidden).astype(jnp.float32)
 
 
 def _scaled_log_softmax(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature):
@@ -47,12 +53,9 @@ def _fused_stats(model, prompt_tokens, prompt_mask, completion_tokens, completio
   """
   from mimo_jax.kernels import fused_logprobs as fused
 
-  P, M = prompt_tokens.shape[1], completion_tokens.shape[1]
-  tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
-  mask = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)
-  hidden, _ = model.hidden(tokens, attention_mask=mask, positions=positions_from_mask(mask))
-  hidden = hidden[:, P - 1 : P - 1 + M].astype(jnp.float32)
-  B, _, D = hidden.shape
+  hidden = _completion_hidden(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+  hidden = hidden.astype(jnp.float32)
+  B, M, D = hidden.shape
   temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))
   temp = jnp.where(temp <= 0, 1.0, temp)
   w = model.unembedding()

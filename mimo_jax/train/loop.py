@@ -79,18 +79,23 @@ def resolve_run_dir(cfg: Config) -> str:
 
 def encode_prompts(
   tokenizer: Tokenizer, prompts: Sequence[str], buckets: Sequence[int], num_rows: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, int]:
   """Tokenizes (with BOS), left-pads to a bucket, and pads the row count with 1-token fillers.
 
   A prompt longer than the largest bucket keeps its last tokens (where the question
-  ends and the answer cue sits): shapes stay static, and the cut is visible in the
-  ``prompt_truncated`` count that :class:`RLRun` logs.
+  ends and the answer cue sits), so shapes stay static.
+
+  Returns:
+    ``(tokens [rows, P], mask [rows, P], number of prompts that were cut)``.
   """
   limit = max(buckets)
-  ids = [tokenizer.encode(p, add_bos=tokenizer.bos_id is not None)[-limit:] for p in prompts]
+  full = [tokenizer.encode(p, add_bos=tokenizer.bos_id is not None) for p in prompts]
+  truncated = sum(len(i) > limit for i in full)
+  ids = [i[-limit:] for i in full]
   rows = num_rows or len(ids)
   ids += [[tokenizer.pad_id]] * (rows - len(ids))
-  return left_pad(ids, bucket_for(max(len(i) for i in ids), buckets), tokenizer.pad_id)
+  tokens, mask = left_pad(ids, bucket_for(max(len(i) for i in ids), buckets), tokenizer.pad_id)
+  return tokens, mask, truncated
 
 
 def encode_targets(tokenizer: Tokenizer, completions: Sequence[str], length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -267,17 +272,16 @@ class RLRun:
       rng=jax.random.wrap_key_data(tree["rng"]),
     )
 
-  def save(self, phase: str, step: int, state: TrainState, log_step: int, warm: dict | None = None) -> None:
-    """Commits the whole run state as checkpoint ``global_step(phase, step)``."""
-    t0 = time.perf_counter()
-    meta = {
+  def _meta(self, phase: str, step: int, log_step: int, *, policy_version: int, with_data: bool) -> dict[str, Any]:
+    """Checkpoint metadata (``checkpoints_schema/checkpoint_meta.v1.json``)."""
+    return {
       "phase": phase,
       "step": step,
       "log_step": log_step,
       "created_unix": time.time(),
       "config_digest": _digest(self.cfg.to_dict()),
       "model_config": json.loads(json.dumps(dataclasses.asdict(self.model_cfg))),
-      "data_rng": json.loads(json.dumps(self.data_rng.bit_generator.state)),
+      "data_rng": json.loads(json.dumps(self.data_rng.bit_generator.state)) if with_data else {},
       "controllers": {
         "bad_steps": self.bad_steps,
         "rollbacks": self.rollbacks,
@@ -286,12 +290,17 @@ class RLRun:
       },
       "buffer": {
         "next_batch_id": step if phase == "rl" else 0,
-        "policy_version": int(state.step) if phase == "rl" else 0,
+        "policy_version": policy_version,
         "sampling_params_version": self.sampling_version,
-        "batches": list(self.batches) if phase == "rl" else [],
+        "batches": list(self.batches) if phase == "rl" and with_data else [],
         "pending": [],  # synchronous loop: every generated batch is trained on within its step
       },
     }
+
+  def save(self, phase: str, step: int, state: TrainState, log_step: int, warm: dict | None = None) -> None:
+    """Commits the whole run state as checkpoint ``global_step(phase, step)``."""
+    t0 = time.perf_counter()
+    meta = self._meta(phase, step, log_step, policy_version=int(state.step) if phase == "rl" else 0, with_data=True)
     if warm is not None:
       meta["warm_start"] = warm
     self.ckpt.save(self.global_step(phase, step), self._tree(state), meta)
@@ -385,7 +394,7 @@ class RLRun:
     bar = tqdm.trange(start, n, desc="sft", leave=False, mininterval=1.0, initial=start, total=n)
     for i in bar:
       examples = self.task.sft_examples(self.data_rng, cfg.data.sft_batch_size)
-      p_tok, p_mask = encode_prompts(self.tokenizer, [e[0] for e in examples], self.buckets)
+      p_tok, p_mask, _ = encode_prompts(self.tokenizer, [e[0] for e in examples], self.buckets)
       c_tok, c_mask = encode_targets(self.tokenizer, [e[1] for e in examples], M)
       batch = SequenceBatch(*(jnp.asarray(x) for x in (p_tok, p_mask, c_tok, c_mask)))
       state, metrics = self.sft_step_fn(state, batch)
@@ -414,7 +423,7 @@ class RLRun:
     greedy_correct, sample_correct = [], []
     for start in range(0, len(problems), self.eval_rows):
       chunk = problems[start : start + self.eval_rows]
-      tokens, mask = encode_prompts(self.tokenizer, [p.prompt for p in chunk], self.buckets, self.eval_rows)
+      tokens, mask, _ = encode_prompts(self.tokenizer, [p.prompt for p in chunk], self.buckets, self.eval_rows)
       self.key, greedy_key, sample_key = jax.random.split(self.key, 3)
       for temp, G, key, sink in (
         (0.0, 1, greedy_key, greedy_correct),
@@ -450,29 +459,11 @@ class RLRun:
       # A reference left by a transition that was killed before RL step 0 committed is
       # rewritten (it is the same warm-started weights).
       self.ref_ckpt.delete_after(-1)
-      self.ref_ckpt.save(0, {"params": self.ref_params}, self._reference_meta())
+      self.ref_ckpt.save(0, {"params": self.ref_params}, self._meta("rl", 0, 0, policy_version=0, with_data=False))
       self.ref_ckpt.wait()
     self.sampler.update_params(state.params)
     self.save("rl", 0, state, 0, warm)
     return state
-
-  def _reference_meta(self) -> dict[str, Any]:
-    return {
-      "phase": "rl",
-      "step": 0,
-      "log_step": 0,
-      "created_unix": time.time(),
-      "config_digest": _digest(self.cfg.to_dict()),
-      "model_config": json.loads(json.dumps(dataclasses.asdict(self.model_cfg))),
-      "data_rng": {},
-      "buffer": {
-        "next_batch_id": 0,
-        "policy_version": 0,
-        "sampling_params_version": self.sampling_version,
-        "batches": [],
-        "pending": [],
-      },
-    }
 
   def temperature(self, step: int) -> float:
     r = self.cfg.rollout
@@ -493,8 +484,7 @@ class RLRun:
     t0 = time.perf_counter()
     # ---- sample prompts
     problems = self.task.sample(self.data_rng, self.rows)
-    tokens, mask = encode_prompts(self.tokenizer, [p.prompt for p in problems], self.buckets)
-    truncated = sum(len(self.tokenizer.encode(p.prompt)) + 1 > max(self.buckets) for p in problems)
+    tokens, mask, truncated = encode_prompts(self.tokenizer, [p.prompt for p in problems], self.buckets)
     # ---- generate
     self.key, gen_key = jax.random.split(self.key)
     temperature = self.temperature(step)
