@@ -14,6 +14,7 @@ from typing import Any
 
 from mimo_jax.config_base import ConfigError, check, check_choices, field
 from mimo_jax.models.config import PRESETS, REMAT_POLICIES, ModelConfig, get_preset
+from mimo_jax.rl.controllers import ENTROPY_CONTROLLERS, KL_CONTROLLERS, OVERLONG_MODES
 from mimo_jax.sharding import MeshConfig, validate_model_on_mesh
 
 DTYPE_CHOICES = ("", "float32", "bfloat16", "float16")
@@ -26,6 +27,17 @@ def parse_int_list(name: str, text: str) -> tuple[int, ...]:
   except ValueError:
     raise ConfigError(f"--{name}={text!r}: expected a comma-separated list of integers") from None
   check(len(values) > 0 and all(v > 0 for v in values), name, text, "expected positive integers")
+  return values
+
+
+def parse_float_list(name: str, text: str, length: int | None = None) -> tuple[float, ...]:
+  """Parses ``"0.1,0.7,0.2"`` into floats; raises ConfigError naming the flag."""
+  try:
+    values = tuple(float(v) for v in text.split(",") if v.strip())
+  except ValueError:
+    raise ConfigError(f"--{name}={text!r}: expected a comma-separated list of numbers") from None
+  if length is not None:
+    check(len(values) == length, name, text, f"expected {length} comma-separated numbers")
   return values
 
 
@@ -120,6 +132,55 @@ class AlgoConfig:
   logprob_impl: str = field(
     "full", "Training log-probs/entropy: full logits, or the fused streaming kernel.", choices=("full", "fused")
   )
+  # ---- KL to the reference: where it acts and how its coefficient is controlled
+  kl_in: str = field(
+    "loss", "Where the KL penalty acts: in the loss or subtracted from the reward.", choices=("loss", "reward")
+  )
+  kl_controller: str = field(
+    "fixed", "KL coefficient controller: fixed, adaptive (target), budget (target tightening).", choices=KL_CONTROLLERS
+  )
+  kl_target: float = field(0.02, "KL target of the adaptive controller (the final budget for 'budget').")
+  kl_budget_start: float = field(0.1, "The budget controller's initial (loose) KL target.")
+  kl_horizon: float = field(10000.0, "Adaptive KL controller horizon in samples (larger reacts slower).")
+  kl_coef_min: float = field(0.05, "Lower bound of the controlled KL coefficient.")
+  kl_coef_max: float = field(0.5, "Upper bound of the controlled KL coefficient.")
+  # ---- entropy
+  entropy_controller: str = field(
+    "fixed", "Entropy coefficient controller: fixed, or adaptive toward --entropy_target.", choices=ENTROPY_CONTROLLERS
+  )
+  entropy_target: float = field(0.5, "Entropy (nats per token) the adaptive controller steers toward.")
+  entropy_lr: float = field(0.001, "Adaptive entropy controller step size.")
+  entropy_coef_max: float = field(0.05, "Upper bound of the adaptive entropy coefficient.")
+  # ---- reward shaping (advantage path only; logged rewards stay raw)
+  reward_clip_low: float = field(0.0, "Clip each batch's rewards at this quantile before the advantages (0: off).")
+  reward_clip_high: float = field(1.0, "Clip each batch's rewards at this quantile before the advantages (1: off).")
+  reward_ema: float = field(0.0, "EMA decay of the reward statistics used to standardise rewards (0: off).")
+  overlong: str = field(
+    "none", "Completions hitting the length limit: none, penalty (soft), mask.", choices=OVERLONG_MODES
+  )
+  overlong_buffer: int = field(4, "Soft overlong penalty zone (tokens before the limit).")
+  # ---- phased schedule
+  phase_schedule: bool = field(False, "Warm-up / main / fine-tune phases switched by the smoothed reward slope.")
+  phase_fracs: str = field("0.1,0.7,0.2", "Step budget fractions of the warm-up, main and fine-tune phases.")
+  phase_slope_threshold: float = field(0.01, "Smoothed-reward slope below which the reward is flat.")
+  phase_tolerance: int = field(20, "Consecutive flat steps that end a phase.")
+  phase_smoothing: str = field("0.9,0.95,0.97", "Reward-smoothing EMA decay per phase (rising).")
+  phase_clip_mults: str = field("1.5,1.0,0.75", "PPO clip range multiplier per phase (loose, then tightening).")
+  phase_kl_mults: str = field("1.0,1.0,2.0", "KL coefficient multiplier per phase (raised in fine-tune).")
+  # ---- value model (PPO)
+  value_learning_rate: float = field(1e-4, "Value model peak learning rate (its own optimizer).")
+  gae_gamma: float = field(0.99, "GAE discount.")
+  gae_lambda: float = field(0.95, "GAE lambda.")
+  value_clip: float = field(0.2, "Clip range of the value loss.")
+  value_warmup_steps: int = field(0, "RL steps that train only the value model (the policy waits).")
+  value_updates: int = field(1, "Initial value-model passes per RL step.")
+  value_min_updates: int = field(1, "Fewest value-model passes per step.")
+  value_max_updates: int = field(4, "Most value-model passes per step.")
+  value_window: int = field(8, "Value-loss window of the update-frequency controller (0: fixed passes).")
+  value_fast_drop: float = field(0.2, "Relative value-loss drop over the window that counts as 'falling fast'.")
+  # ---- DAPO dynamic sampling
+  dynamic_sampling: bool = field(False, "Drop groups whose rewards are all equal and refill with fresh prompts.")
+  dynamic_sampling_max_rounds: int = field(3, "Most extra generation rounds per step to refill the batch.")
 
   def __post_init__(self):
     check_choices(self)
@@ -127,7 +188,7 @@ class AlgoConfig:
     check(self.clip_high >= 0, "clip_high", self.clip_high, "must be >= 0")
     check(self.clip_c > 1, "clip_c", self.clip_c, "must be > 1")
     check(self.kl_coef >= 0, "kl_coef", self.kl_coef, "must be >= 0")
-    for name in ("ppo_epochs", "num_minibatches", "grad_accum"):
+    for name in ("ppo_epochs", "num_minibatches", "grad_accum", "value_updates", "value_min_updates"):
       check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
     check(
       self.advantage != "gae" or self.use_value_model,
@@ -135,6 +196,77 @@ class AlgoConfig:
       self.advantage,
       "gae needs a value model (--use_value_model)",
     )
+    check(
+      not self.use_value_model or self.advantage == "gae",
+      "use_value_model",
+      self.use_value_model,
+      f"the value model is only used by --advantage=gae (got --advantage={self.advantage})",
+    )
+    for name in ("kl_target", "kl_budget_start", "kl_horizon"):
+      check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+    check(0 < self.kl_coef_min <= self.kl_coef_max, "kl_coef_min", self.kl_coef_min, "must be in (0, kl_coef_max]")
+    if self.kl_controller != "fixed":
+      check(self.kl_coef > 0, "kl_controller", self.kl_controller, "needs a reference: set --kl_coef > 0")
+      check(
+        self.kl_coef_min <= self.kl_coef <= self.kl_coef_max,
+        "kl_coef",
+        self.kl_coef,
+        f"a controlled coefficient starts inside [kl_coef_min, kl_coef_max] = [{self.kl_coef_min}, {self.kl_coef_max}]",
+      )
+    check(self.entropy_coef >= 0, "entropy_coef", self.entropy_coef, "must be >= 0")
+    check(self.entropy_lr > 0, "entropy_lr", self.entropy_lr, "must be > 0")
+    check(self.entropy_coef_max >= 0, "entropy_coef_max", self.entropy_coef_max, "must be >= 0")
+    check(0 <= self.reward_clip_low < 0.5, "reward_clip_low", self.reward_clip_low, "must be in [0, 0.5)")
+    check(0.5 < self.reward_clip_high <= 1, "reward_clip_high", self.reward_clip_high, "must be in (0.5, 1]")
+    check(0 <= self.reward_ema < 1, "reward_ema", self.reward_ema, "must be in [0, 1)")
+    check(self.overlong_buffer >= 1, "overlong_buffer", self.overlong_buffer, "must be >= 1")
+    fracs = parse_float_list("phase_fracs", self.phase_fracs, 3)
+    check(
+      all(f > 0 for f in fracs) and abs(sum(fracs) - 1) < 1e-6,
+      "phase_fracs",
+      self.phase_fracs,
+      "3 fractions > 0 summing to 1",
+    )
+    for name in ("phase_smoothing", "phase_clip_mults", "phase_kl_mults"):
+      values = parse_float_list(name, getattr(self, name), 3)
+      check(all(v >= 0 for v in values), name, getattr(self, name), "must be >= 0")
+    check(
+      all(v < 1 for v in parse_float_list("phase_smoothing", self.phase_smoothing, 3)),
+      "phase_smoothing",
+      self.phase_smoothing,
+      "EMA decays must be in [0, 1)",
+    )
+    check(self.phase_tolerance >= 1, "phase_tolerance", self.phase_tolerance, "must be >= 1")
+    check(self.value_learning_rate > 0, "value_learning_rate", self.value_learning_rate, "must be > 0")
+    check(0 < self.gae_gamma <= 1, "gae_gamma", self.gae_gamma, "must be in (0, 1]")
+    check(0 <= self.gae_lambda <= 1, "gae_lambda", self.gae_lambda, "must be in [0, 1]")
+    check(self.value_clip > 0, "value_clip", self.value_clip, "must be > 0")
+    check(self.value_warmup_steps >= 0, "value_warmup_steps", self.value_warmup_steps, "must be >= 0")
+    check(
+      self.value_min_updates <= self.value_updates <= self.value_max_updates,
+      "value_updates",
+      self.value_updates,
+      f"must be in [value_min_updates, value_max_updates] = [{self.value_min_updates}, {self.value_max_updates}]",
+    )
+    check(self.value_window == 0 or self.value_window >= 2, "value_window", self.value_window, "must be 0 or >= 2")
+    check(0 < self.value_fast_drop < 1, "value_fast_drop", self.value_fast_drop, "must be in (0, 1)")
+    check(
+      not self.dynamic_sampling or self.advantage != "gae",
+      "dynamic_sampling",
+      self.dynamic_sampling,
+      "drops all-equal groups, which only group-relative estimators have (not --advantage=gae)",
+    )
+    check(
+      self.dynamic_sampling_max_rounds >= 0,
+      "dynamic_sampling_max_rounds",
+      self.dynamic_sampling_max_rounds,
+      "must be >= 0",
+    )
+
+  @property
+  def shapes_rewards(self) -> bool:
+    """Whether rewards are clipped/standardised on the advantage path."""
+    return self.reward_clip_low > 0 or self.reward_clip_high < 1 or self.reward_ema > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +280,11 @@ class OptimConfig:
   adam_b1: float = field(0.9, "Adam beta1.")
   adam_b2: float = field(0.999, "Adam beta2.")
   grad_clip: float = field(1.0, "Global-norm gradient clip (0: off).")
+  grad_clip_mode: str = field(
+    "fixed",
+    "fixed threshold, or lr_linked: the threshold scales with the LR's ratio to its peak.",
+    choices=("fixed", "lr_linked"),
+  )
   sft_learning_rate: float = field(1e-3, "Peak learning rate of the supervised warm-start phase.")
 
   def __post_init__(self):
@@ -176,9 +313,38 @@ class DataConfig:
   sft_wrong_fraction: float = field(
     0.0, "Fraction of carry problems whose warm-start demonstration shows the no-carry mistake (arith)."
   )
+  tfds_dir: str = field(
+    "",
+    "TFDS array_record cache: read gsm8k/humaneval through TFDS builders (empty: JSONL reader; jsonl task: ~/.cache).",
+  )
+  jsonl_fields: str = field(
+    "prompt=prompt,answer=answer", "--task=jsonl: which JSONL fields hold the prompt and answer."
+  )
+  reward_workers: int = field(0, "Reward worker processes with per-sample timeouts (0: in-process).")
+  reward_timeout_s: float = field(10.0, "Per-sample reward time limit in the workers (seconds).")
+  reward_normalize: str = field(
+    "none", "Reward components: mixed raw, or standardised per task first.", choices=("none", "task_running")
+  )
+  format_reward_weight: float = field(0.0, "Weight of the math format component (0: logged only).")
+  reward_model: str = field("", "Reward-model run directory (rewards.reward_model) added as a reward component.")
+  reward_model_weight: float = field(1.0, "Weight of the reward-model component.")
+  reward_hacking_probe: bool = field(False, "Code tasks: track completions a naive checker would pass (logged only).")
+  curriculum: bool = field(False, "Prefer prompts whose pass rate is in --curriculum_band (from a larger pool).")
+  curriculum_band: str = field("0.4,0.7", "Target pass-rate band of the curriculum.")
+  curriculum_pool: int = field(256, "Candidate prompts the curriculum chooses from (refreshed from the task).")
 
   def __post_init__(self):
     check_choices(self)
+    check(self.reward_workers >= 0, "reward_workers", self.reward_workers, "must be >= 0")
+    check(self.reward_timeout_s > 0, "reward_timeout_s", self.reward_timeout_s, "must be > 0")
+    band = parse_float_list("curriculum_band", self.curriculum_band, 2)
+    check(
+      0 <= band[0] < band[1] <= 1,
+      "curriculum_band",
+      self.curriculum_band,
+      "expected low,high with 0 <= low < high <= 1",
+    )
+    check(self.curriculum_pool >= 1, "curriculum_pool", self.curriculum_pool, "must be >= 1")
     check(self.prompts_per_step >= 1, "prompts_per_step", self.prompts_per_step, "must be >= 1")
     check(self.eval_prompts >= 0, "eval_prompts", self.eval_prompts, "must be >= 0")
     levels = parse_int_list("arith_levels", self.arith_levels)
@@ -294,6 +460,24 @@ def validate(cfg: Config, num_devices: int) -> None:
     "num_samples",
     cfg.rollout.num_samples,
     f"group advantages ({cfg.algo.advantage}) need at least 2 samples per prompt",
+  )
+  check(
+    not cfg.algo.dynamic_sampling or cfg.rollout.num_samples >= 2,
+    "dynamic_sampling",
+    cfg.algo.dynamic_sampling,
+    "needs groups: --num_samples >= 2",
+  )
+  check(
+    cfg.algo.overlong != "penalty" or cfg.algo.overlong_buffer < cfg.rollout.max_new_tokens,
+    "overlong_buffer",
+    cfg.algo.overlong_buffer,
+    f"must be smaller than --max_new_tokens={cfg.rollout.max_new_tokens}",
+  )
+  check(
+    not cfg.algo.phase_schedule or cfg.optim.warmup_steps == 0,
+    "warmup_steps",
+    cfg.optim.warmup_steps,
+    "the phase schedule shapes the learning rate itself (warm-up ramp, cosine, fine-tune); set --warmup_steps=0",
   )
   batch = cfg.data.prompts_per_step * cfg.rollout.num_samples
   check(

@@ -45,6 +45,8 @@ def _shard_checksum(x: jax.Array, flat_index: jax.Array) -> jax.Array:
   """Sum over elements of bits * odd(global position), mod 2^32 (one shard, one device)."""
   if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
     x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
   width = x.dtype.itemsize
   bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[width])
   if width == 8:  # two uint32 words per element

@@ -23,15 +23,16 @@ import dataclasses
 import hashlib
 import json
 import logging
-import operator
 import os
 import re
 import unicodedata
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from mimo_jax.rewards.math import answers_match, extract_answer, extract_answer_with_source, normalize_number
+from mimo_jax.tasks.splits import SplitTask
 
 __all__ = [
   "DEFAULT_TEST_PATH",
@@ -179,7 +180,7 @@ class GSM8KProblem:
       raise ValueError(f"uid {self.uid!r} does not match question {self.question[:60]!r} (expected {expected!r})")
 
 
-class GSM8KTask:
+class GSM8KTask(SplitTask):
   """GSM8K word problems with a final-answer verifier, a fixed held-out split and SFT data.
 
   Args:
@@ -190,6 +191,9 @@ class GSM8KTask:
       held-out set (all by default).  Training questions are still checked against the
       whole test file, so shrinking the evaluation set never leaks test questions into
       training.
+    loader: ``loader(path) -> (rows, num_malformed)`` reading a split (default: the JSONL
+      reader of this module; the trainer passes a TFDS ``array_record`` source, see
+      ``mimo_jax.data.tfds_sources``).
 
   Attributes:
     num_overlap_removed: distinct training questions dropped because the test file has them.
@@ -210,6 +214,7 @@ class GSM8KTask:
     *,
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
     heldout_size: int | None = None,
+    loader: Callable[[str], tuple[list[dict[str, Any]], int]] | None = None,
   ) -> None:
     try:
       # A probe catches templates with other fields or broken braces now, not at the first sample.
@@ -222,27 +227,19 @@ class GSM8KTask:
     self.train_path = os.fspath(train_path if train_path is not None else DEFAULT_TRAIN_PATH)
     self.test_path = os.fspath(test_path if test_path is not None else DEFAULT_TEST_PATH)
 
-    test_rows, self.num_malformed_test = load_gsm8k_jsonl(self.test_path)
+    load = loader or load_gsm8k_jsonl
+    test_rows, self.num_malformed_test = load(self.test_path)
     test_problems, _ = self._distinct_problems(test_rows)
-    if heldout_size is not None:
-      heldout_size = operator.index(heldout_size)
-      if not 0 <= heldout_size <= len(test_problems):
-        raise ValueError(
-          f"heldout_size must be in [0, {len(test_problems)}] (the distinct questions in {self.test_path}), "
-          f"got {heldout_size}"
-        )
-      self._heldout = test_problems[:heldout_size]
-    else:
-      self._heldout = test_problems
-    self._heldout_uids = frozenset(p.uid for p in self._heldout)
-    all_test_uids = frozenset(p.uid for p in test_problems)
-
-    train_rows, self.num_malformed_train = load_gsm8k_jsonl(self.train_path)
+    train_rows, self.num_malformed_train = load(self.train_path)
     train_problems, self.num_duplicates_removed = self._distinct_problems(train_rows)
-    self._train = [p for p in train_problems if p.uid not in all_test_uids]
-    self.num_overlap_removed = len(train_problems) - len(self._train)
-    if not self._train:
-      raise ValueError(f"{self.train_path}: no training question left after removing those in {self.test_path}")
+    self._set_splits(
+      test_problems,
+      train_problems,
+      heldout_size=heldout_size,
+      train_path=self.train_path,
+      test_path=self.test_path,
+      noun="question",
+    )
 
   def _distinct_problems(self, rows: list[dict[str, Any]]) -> tuple[list[GSM8KProblem], int]:
     """Builds problems from validated rows, keeping the first of each question; returns (problems, repeats)."""
@@ -266,53 +263,6 @@ class GSM8KTask:
   def name(self) -> str:
     """The task name stored on every problem."""
     return TASK_NAME
-
-  @property
-  def num_train(self) -> int:
-    """Number of distinct training problems (after removing repeats and held-out questions)."""
-    return len(self._train)
-
-  def train_problems(self) -> list[GSM8KProblem]:
-    """Returns all training problems, in file order (a new list)."""
-    return list(self._train)
-
-  # ---- held-out split --------------------------------------------------------------
-
-  def heldout(self) -> list[GSM8KProblem]:
-    """Returns the held-out problems: distinct test questions in file order (a new list)."""
-    return list(self._heldout)
-
-  def is_heldout(self, problem: GSM8KProblem) -> bool:
-    """Whether ``problem``'s question is in the held-out set (compared by uid).
-
-    Args:
-      problem: any problem.
-
-    Returns:
-      True if a held-out problem has the same normalised question.
-    """
-    return problem.uid in self._heldout_uids
-
-  # ---- training data ---------------------------------------------------------------
-
-  def sample(self, rng: np.random.Generator, n: int) -> list[GSM8KProblem]:
-    """Draws ``n`` training problems uniformly with replacement.
-
-    Args:
-      rng: the numpy generator to draw from (advanced in place), so the caller can
-        replay a stream by restoring its state.
-      n: number of problems.
-
-    Returns:
-      ``n`` problems (repeats are possible: they are independent draws).
-
-    Raises:
-      ValueError: if ``n`` is negative.
-    """
-    n = operator.index(n)
-    if n < 0:
-      raise ValueError(f"n must be non-negative, got {n}")
-    return [self._train[i] for i in rng.integers(len(self._train), size=n).tolist()]
 
   def sft_examples(self, rng: np.random.Generator, n: int) -> list[tuple[str, str]]:
     """Draws ``n`` supervised demonstrations: each prompt with its full gold solution.

@@ -7,13 +7,18 @@ A task exposes ``heldout()``, ``sample(rng, n)``, ``reward(problem, text)``,
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
 from mimo_jax.config import DataConfig, parse_int_list
 from mimo_jax.config_base import ConfigError
+from mimo_jax.data.tfds_sources import load_prompt_source
+from mimo_jax.tasks import gsm8k, humaneval
 from mimo_jax.tasks.arith import ArithTask, build_tokenizer
 from mimo_jax.tasks.gsm8k import GSM8KTask
+from mimo_jax.tasks.humaneval import HumanEvalTask
+from mimo_jax.tasks.jsonl import JsonlTask, parse_field_map
 from mimo_jax.tokenization import Tokenizer, load_tokenizer, train_sentencepiece
 
 # The held-out split is fixed across run seeds, so runs with different seeds are
@@ -21,6 +26,9 @@ from mimo_jax.tokenization import Tokenizer, load_tokenizer, train_sentencepiece
 HELDOUT_SEED = 1234
 # Vocabulary of the SentencePiece model trained on the fly for text tasks without a tokenizer.
 TEXT_VOCAB = 2000
+CODE_VOCAB = 1000
+# TFDS array_record cache of the prompt sources when --tfds_dir is not given (jsonl task only).
+DEFAULT_TFDS_DIR = "~/.cache/mimo_jax/tfds"
 
 
 def build_task(cfg: DataConfig, *, seed: int, hf_checkpoint: str = "") -> tuple[Any, Tokenizer]:
@@ -45,13 +53,15 @@ def build_task(cfg: DataConfig, *, seed: int, hf_checkpoint: str = "") -> tuple[
       sft_wrong_carry_fraction=cfg.sft_wrong_fraction,
     )
     return task, _tokenizer(cfg, hf_checkpoint) or build_tokenizer(task)
+  for name in ("data_path", "eval_data_path"):
+    path = getattr(cfg, name)
+    if path and not os.path.isfile(path):
+      raise ConfigError(f"--{name}={path!r}: no such file")
+  if cfg.task == "jsonl":
+    return _jsonl_task(cfg, hf_checkpoint)
   if cfg.task == "gsm8k":
-    for name in ("data_path", "eval_data_path"):
-      path = getattr(cfg, name)
-      if path and not os.path.isfile(path):
-        raise ConfigError(f"--{name}={path!r}: no such file")
     try:
-      task = GSM8KTask(cfg.data_path or None, cfg.eval_data_path or None)
+      task = GSM8KTask(cfg.data_path or None, cfg.eval_data_path or None, loader=_tfds_loader(cfg, gsm8k))
     except ValueError as e:
       raise ConfigError(f"--data_path/--eval_data_path: {e}") from None
     tokenizer = _tokenizer(cfg, hf_checkpoint)
@@ -60,7 +70,80 @@ def build_task(cfg: DataConfig, *, seed: int, hf_checkpoint: str = "") -> tuple[
       # on the training split only (held-out text never reaches it).
       tokenizer = train_sentencepiece(task.tokenizer_corpus(), vocab_size=TEXT_VOCAB)
     return task, tokenizer
-  raise ConfigError(f"--task={cfg.task!r} has no trainer task yet; available: 'arith', 'gsm8k'")
+  if cfg.task == "humaneval":
+    try:
+      task = HumanEvalTask(
+        cfg.data_path or None,
+        cfg.eval_data_path or None,
+        timeout_s=cfg.reward_timeout_s,
+        loader=_tfds_loader(cfg, humaneval),
+      )
+    except ValueError as e:
+      raise ConfigError(f"--data_path/--eval_data_path: {e}") from None
+    tokenizer = _tokenizer(cfg, hf_checkpoint)
+    if tokenizer is None:
+      # Byte fallback: code has characters a small vocabulary fitted to 40 problems lacks.
+      tokenizer = train_sentencepiece(task.tokenizer_corpus(), vocab_size=CODE_VOCAB, byte_fallback=True)
+    return task, tokenizer
+  raise ConfigError(f"--task={cfg.task!r} has no trainer task yet; available: 'arith', 'gsm8k', 'humaneval', 'jsonl'")
+
+
+def _tfds_dir(cfg: DataConfig) -> str:
+  return os.path.expanduser(cfg.tfds_dir or DEFAULT_TFDS_DIR)
+
+
+def _tfds_loader(cfg: DataConfig, module: Any):
+  """A task loader reading a split through its TFDS ``array_record`` builder (``--tfds_dir``).
+
+  Rows are re-checked with the task module's own row validator (stricter than the
+  builder's field checks, e.g. HumanEval programs must compile); malformed rows are counted
+  either way, never dropped silently.  Without ``--tfds_dir`` the task reads its JSONL
+  files directly (None: the task's default loader).
+  """
+  if not cfg.tfds_dir:
+    return None
+  kind = module.TASK_NAME
+
+  def load(path: str) -> tuple[list[dict[str, Any]], int]:
+    split = (
+      "test" if os.path.abspath(path) == os.path.abspath(cfg.eval_data_path or module.DEFAULT_TEST_PATH) else "train"
+    )
+    source = load_prompt_source(kind, path, _tfds_dir(cfg), split=split)
+    rows, bad = [], source.num_malformed
+    for record in source:
+      record.pop("source_line", None)
+      row, _ = module._row_problem(json.dumps(record))
+      if row is None:
+        bad += 1
+      else:
+        rows.append(row)
+    if not rows:
+      raise ValueError(f"{path}: no usable rows ({bad} malformed)")
+    return rows, bad
+
+  return load
+
+
+def _jsonl_task(cfg: DataConfig, hf_checkpoint: str) -> tuple[Any, Tokenizer]:
+  """Any JSONL of prompts with answers, through the TFDS ``jsonl`` builder and ``--jsonl_fields``."""
+  if not cfg.data_path or not cfg.eval_data_path:
+    raise ConfigError("--task=jsonl needs --data_path and --eval_data_path (JSONL files)")
+  try:
+    field_map = parse_field_map(cfg.jsonl_fields)
+  except ValueError as e:
+    raise ConfigError(f"--jsonl_fields={cfg.jsonl_fields!r}: {e}") from None
+  try:
+    sources = [
+      load_prompt_source("jsonl", path, _tfds_dir(cfg), split=split, field_map=field_map)
+      for path, split in ((cfg.data_path, "train"), (cfg.eval_data_path, "test"))
+    ]
+    task = JsonlTask(list(sources[0]), list(sources[1]), train_path=cfg.data_path, test_path=cfg.eval_data_path)
+  except ValueError as e:
+    raise ConfigError(f"--data_path/--eval_data_path: {e}") from None
+  tokenizer = _tokenizer(cfg, hf_checkpoint)
+  if tokenizer is None:
+    tokenizer = train_sentencepiece(task.tokenizer_corpus(), vocab_size=TEXT_VOCAB, byte_fallback=True)
+  return task, tokenizer
 
 
 def _tokenizer(cfg: DataConfig, hf_checkpoint: str) -> Tokenizer | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -24,31 +25,47 @@ import numpy as np
 import tqdm
 from absl import logging
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from mimo_jax import sharding
 from mimo_jax.ckpt import Checkpointer
 from mimo_jax.ckpt.manager import abstract_like
-from mimo_jax.config import Config, parse_int_list
+from mimo_jax.config import Config, parse_float_list, parse_int_list
 from mimo_jax.config_base import ConfigError
-from mimo_jax.eval import pass_at_k
-from mimo_jax.models import Transformer, create_sharded, load_hf
-from mimo_jax.rollout import RolloutOutput, Sampler, SamplingParams, bucket_for, left_pad
+from mimo_jax.data.curriculum import PassRateCurriculum, PromptSampler
+from mimo_jax.models import Transformer, ValueModel, create_sharded, load_hf
+from mimo_jax.rewards.base import RewardSource
+from mimo_jax.rewards.task_rewards import build_task_reward, reward_samples
+from mimo_jax.rl.controllers import (
+  ControllerSettings,
+  StepSignals,
+  dynamic_coefs,
+  init_controllers,
+  update_controllers,
+)
+from mimo_jax.rollout import FINISH_LENGTH, RolloutOutput, Sampler, SamplingParams, bucket_for, left_pad
 from mimo_jax.tasks.registry import build_task
 from mimo_jax.tokenization import Tokenizer
 from mimo_jax.train.logger import MetricsLogger, format_progress
 from mimo_jax.train.state import TrainState, init_opt_state, make_optimizer
 from mimo_jax.train.steps import (
+  AdvantageInputs,
+  AdvantageSettings,
   LossCoefs,
   PolicyBatch,
   SequenceBatch,
   UpdateSettings,
+  ValueBatch,
+  ValueSettings,
   make_advantage_fn,
   make_score_fn,
   make_sft_step,
   make_update_fn,
+  make_value_fn,
+  make_value_update_fn,
 )
 
-PROGRESS_KEYS = ("reward_mean", "accuracy", "kl_k3", "entropy", "clipfrac", "grad_norm", "response_len")
+PROGRESS_KEYS = ("reward_mean", "accuracy", "kl_k3", "entropy", "clipfrac", "grad_norm", "response_len", "value_loss")
 
 # ----------------------------------------------------------------------------
 # Small typed stage outputs
@@ -60,14 +77,18 @@ class Rewards:
   """Host-side rewards of one rollout batch.
 
   Attributes:
-    values: float32 ``[B]`` raw rewards (what is logged).
+    values: float32 ``[B]`` raw rewards (what is logged): the mixed reward of the sources.
     correct: bool ``[B]``, the verifier's verdict.
     texts: the decoded completions.
+    metrics: per-component means and failure counts (``reward/...``).
+    histograms: per-component raw values (``reward/<name>``), logged as histograms.
   """
 
   values: np.ndarray
   correct: np.ndarray
   texts: list[str]
+  metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+  histograms: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 def resolve_run_dir(cfg: Config) -> str:
@@ -112,6 +133,53 @@ def encode_targets(tokenizer: Tokenizer, completions: Sequence[str], length: int
 def decode_completions(tokenizer: Tokenizer, rollout: RolloutOutput) -> list[str]:
   tokens, lengths = np.asarray(rollout.completion_tokens), np.asarray(rollout.lengths)
   return [tokenizer.decode(tokens[i, : lengths[i]].tolist()) for i in range(tokens.shape[0])]
+
+
+def _select_groups(
+  rounds: Sequence[tuple[list[Any], RolloutOutput, Rewards]], picks: Sequence[tuple[int, int]], group_size: int
+) -> tuple[list[Any], RolloutOutput, Rewards]:
+  """Assembles one batch from groups ``(round, group)`` of several generation rounds.
+
+  The result has the shapes and shardings of one round (prompt columns left-padded to the
+  widest round's bucket), so the jitted stages downstream never recompile.  The selection
+  runs on the host: the arrays are small and eager device ops would compile per shape.
+  """
+  P = max(r[1].prompt_tokens.shape[1] for r in rounds)
+  first = rounds[0][1]
+
+  def host(rollout: RolloutOutput) -> dict[str, np.ndarray]:
+    arrays = {
+      f.name: np.asarray(getattr(rollout, f.name))
+      for f in dataclasses.fields(rollout)
+      if f.metadata.get("pytree_node", True)
+    }
+    extra = P - arrays["prompt_tokens"].shape[1]
+    for name in ("prompt_tokens", "prompt_mask"):
+      arrays[name] = np.pad(arrays[name], ((0, 0), (extra, 0)))
+    return arrays
+
+  hosts = [host(r[1]) for r in rounds]
+  rows = [(r, np.arange(g * group_size, (g + 1) * group_size)) for r, g in picks]
+  fields = {name: np.concatenate([hosts[r][name][idx] for r, idx in rows]) for name in hosts[0]}
+  fields["prompt_index"] = np.repeat(np.arange(len(picks), dtype=np.int32), group_size)
+  widest = next(r[1] for r in rounds if r[1].prompt_tokens.shape[1] == P)
+
+  def place(name: str, x: np.ndarray) -> jax.Array:
+    # Back onto the mesh layout the sampler produced (uncommitted if it produced no mesh layout).
+    sharding = getattr(widest if name in ("prompt_tokens", "prompt_mask") else first, name).sharding
+    return jax.device_put(x, sharding) if isinstance(sharding, NamedSharding) else jnp.asarray(x)
+
+  placed = {name: place(name, x) for name, x in fields.items()}
+  rollout = first.replace(**placed)
+  problems = [rounds[r][0][g] for r, g in picks]
+
+  def gather(field: str) -> np.ndarray:
+    return np.concatenate([getattr(rounds[r][2], field)[g * group_size : (g + 1) * group_size] for r, g in picks])
+
+  texts = [rounds[r][2].texts[g * group_size + i] for r, g in picks for i in range(group_size)]
+  # Component metrics are those of the first round (the others only refill the batch).
+  first = rounds[0][2]
+  return problems, rollout, Rewards(gather("values"), gather("correct"), texts, first.metrics, first.histograms)
 
 
 def _digest(obj: Any) -> str:
@@ -186,7 +254,33 @@ class RLRun:
     self.model_cfg = model.config
     self.graphdef, self._init_params = nnx.split(model)
     self.data_rng = np.random.default_rng(cfg.run.seed)
+    d = cfg.data
+    extra_sources = []
+    if d.reward_model:
+      from mimo_jax.rewards.reward_model import RewardModelScorer, load_reward_model
+
+      rm_graphdef, rm_params, _ = load_reward_model(d.reward_model, self.mesh)
+      scorer = RewardModelScorer(
+        rm_graphdef,
+        rm_params,
+        self.tokenizer,
+        mesh=self.mesh,
+        buckets=self.buckets,
+        max_completion_len=cfg.rollout.max_new_tokens,
+        batch_rows=cfg.data.prompts_per_step * cfg.rollout.num_samples,
+      )
+      extra_sources.append(RewardSource("reward_model", scorer, weight=d.reward_model_weight, batched=True))
+    self.rewarder = build_task_reward(
+      self.task,
+      extra_sources=extra_sources,
+      workers=d.reward_workers,
+      timeout_s=d.reward_timeout_s,
+      normalize=d.reward_normalize,
+      format_weight=d.format_reward_weight,
+      hacking_probe=d.reward_hacking_probe,
+    )
     self.heldout = self.task.heldout()[: cfg.data.eval_prompts]
+    self.prompt_sampler = self._prompt_sampler() if cfg.data.curriculum else None
     factory = rollout_factory or (lambda model, mesh: Sampler(model, mesh=mesh))
     self.sampler = factory(nnx.merge(self.graphdef, self._init_params), self.mesh)
     self.rows = cfg.data.prompts_per_step
@@ -199,30 +293,107 @@ class RLRun:
     self.sft_tx, self.sft_schedule = make_optimizer(
       sft_optim, max(cfg.run.sft_steps, 1), peak=cfg.optim.sft_learning_rate
     )
-    self.rl_tx, self.lr_schedule = make_optimizer(cfg.optim, max(cfg.run.max_steps, 1))
-    self.sft_step_fn = make_sft_step(self.mesh)
-    self.use_kl = cfg.algo.kl_coef > 0
-    self.ref_params = None
-    self.score_fn = make_score_fn(
-      self.graphdef, self.mesh, use_reference=self.use_kl, logprob_impl=cfg.algo.logprob_impl
+    # The RL optimizer clips dynamically (fixed or LR-linked threshold, see apply_gradients);
+    # with the phase schedule the LR shape comes from the controllers, on a constant base.
+    algo = cfg.algo
+    self.rl_tx, self.lr_schedule = make_optimizer(
+      cfg.optim, max(cfg.run.max_steps, 1), clip=False, constant=algo.phase_schedule
     )
-    self.adv_fn = make_advantage_fn(cfg.rollout.num_samples, cfg.algo.advantage)
+    self.sft_step_fn = make_sft_step(self.mesh)
+    self.use_kl = algo.kl_coef > 0
+    self.ref_params = None
+    self.score_fn = make_score_fn(self.graphdef, self.mesh, use_reference=self.use_kl, logprob_impl=algo.logprob_impl)
+    self.ctl_settings = ControllerSettings(
+      total_steps=max(cfg.run.max_steps, 1),
+      batch_size=cfg.data.prompts_per_step * cfg.rollout.num_samples,
+      kl_controller=algo.kl_controller,
+      kl_target=algo.kl_target,
+      kl_budget_start=algo.kl_budget_start,
+      kl_horizon=algo.kl_horizon,
+      kl_coef_min=algo.kl_coef_min,
+      kl_coef_max=algo.kl_coef_max,
+      entropy_controller=algo.entropy_controller,
+      entropy_target=algo.entropy_target,
+      entropy_lr=algo.entropy_lr,
+      entropy_coef_max=algo.entropy_coef_max,
+      reward_clip_low=algo.reward_clip_low,
+      reward_clip_high=algo.reward_clip_high,
+      reward_ema=algo.reward_ema,
+      phased=algo.phase_schedule,
+      phase_fracs=parse_float_list("phase_fracs", algo.phase_fracs, 3),
+      phase_slope_threshold=algo.phase_slope_threshold,
+      phase_tolerance=algo.phase_tolerance,
+      phase_smoothing=parse_float_list("phase_smoothing", algo.phase_smoothing, 3),
+      phase_clip_mults=parse_float_list("phase_clip_mults", algo.phase_clip_mults, 3),
+      phase_kl_mults=parse_float_list("phase_kl_mults", algo.phase_kl_mults, 3),
+      grad_clip=cfg.optim.grad_clip,
+      grad_clip_lr_linked=cfg.optim.grad_clip_mode == "lr_linked",
+      value_window=max(algo.value_window, 2),
+      value_min_updates=algo.value_min_updates,
+      value_max_updates=algo.value_max_updates if algo.value_window else algo.value_updates,
+      value_fast_drop=algo.value_fast_drop,
+    )
+    self.coefs_fn = jax.jit(
+      functools.partial(
+        dynamic_coefs,
+        settings=self.ctl_settings,
+        clip_low=algo.clip_low,
+        clip_high=algo.clip_high,
+        kl_in_reward=algo.kl_in == "reward",
+        use_kl=self.use_kl,
+      )
+    )
+    self.ctl_update_fn = jax.jit(functools.partial(update_controllers, settings=self.ctl_settings))
+    self.adv_fn = make_advantage_fn(
+      AdvantageSettings(
+        estimator=algo.advantage,
+        group_size=cfg.rollout.num_samples,
+        max_len=cfg.rollout.max_new_tokens,
+        overlong=algo.overlong,
+        overlong_buffer=algo.overlong_buffer,
+        shape_rewards=algo.shapes_rewards,
+        reward_clip_low=algo.reward_clip_low,
+        reward_clip_high=algo.reward_clip_high,
+        kl_estimator=algo.kl_estimator,
+        gamma=algo.gae_gamma,
+        lam=algo.gae_lambda,
+      )
+    )
     settings = UpdateSettings(
-      policy_loss=cfg.algo.policy_loss,
-      clip_low=cfg.algo.clip_low,
-      clip_high=cfg.algo.clip_high,
-      clip_c=cfg.algo.clip_c if cfg.algo.policy_loss == "ppo" else None,
-      loss_agg=cfg.algo.loss_agg,
+      policy_loss=algo.policy_loss,
+      clip_low=algo.clip_low,
+      clip_high=algo.clip_high,
+      clip_c=algo.clip_c if algo.policy_loss == "ppo" else None,
+      loss_agg=algo.loss_agg,
       agg_norm=float(cfg.rollout.max_new_tokens),
-      kl_estimator=cfg.algo.kl_estimator,
-      use_kl=self.use_kl,
-      epochs=cfg.algo.ppo_epochs,
-      num_minibatches=cfg.algo.num_minibatches,
-      grad_accum=cfg.algo.grad_accum,
-      logprob_impl=cfg.algo.logprob_impl,
+      kl_estimator=algo.kl_estimator,
+      use_kl=self.use_kl and algo.kl_in == "loss",
+      epochs=algo.ppo_epochs,
+      num_minibatches=algo.num_minibatches,
+      grad_accum=algo.grad_accum,
+      logprob_impl=algo.logprob_impl,
     )
     self.update_fn = make_update_fn(self.mesh, settings)
-    self.coefs = LossCoefs(kl_coef=jnp.float32(cfg.algo.kl_coef), entropy_coef=jnp.float32(cfg.algo.entropy_coef))
+    # ---- value model (PPO): same mesh, its own optimizer and train state
+    self.use_value = algo.use_value_model
+    self.value_state: TrainState | None = None
+    if self.use_value:
+      value_optim = dataclasses.replace(cfg.optim, learning_rate=algo.value_learning_rate, warmup_steps=0)
+      self.value_tx, _ = make_optimizer(value_optim, max(cfg.run.max_steps, 1), constant=True)
+      value_model = create_sharded(lambda: ValueModel(self.model_cfg, rngs=nnx.Rngs(0)), self.mesh)
+      self.value_graphdef, value_params = nnx.split(value_model)
+      self._value_init_params = value_params
+      self.value_fn = make_value_fn(self.value_graphdef, self.mesh)
+      self.value_update_fn = make_value_update_fn(
+        self.mesh,
+        ValueSettings(
+          clip=algo.value_clip,
+          loss_agg=algo.loss_agg,
+          agg_norm=float(cfg.rollout.max_new_tokens),
+          num_minibatches=algo.num_minibatches,
+          grad_accum=algo.grad_accum,
+        ),
+      )
 
     # ---- checkpoints, logs, host-side bookkeeping
     ck = cfg.checkpoint
@@ -242,15 +413,63 @@ class RLRun:
       set(parse_int_list("debug_nan_steps", cfg.run.debug_nan_steps)) if cfg.run.debug_nan_steps else set()
     )
 
+  def _prompt_sampler(self) -> PromptSampler:
+    """The curriculum sampler: a pool of task prompts, weighted toward the pass-rate band."""
+    band = parse_float_list("curriculum_band", self.cfg.data.curriculum_band, 2)
+    cls = type(self.task.sample(np.random.default_rng(0), 1)[0])
+    return PromptSampler(
+      self.task.sample,
+      pool_size=self.cfg.data.curriculum_pool,
+      curriculum=PassRateCurriculum(target_band=(band[0], band[1])),
+      heldout_uids={p.uid for p in self.task.heldout()},
+      dedup_window=1,
+      refresh_fraction=0.1,
+      problem_factory=lambda fields: cls(**fields),
+    )
+
+  def sample_problems(self) -> list[Any]:
+    """This step's training prompts (from the curriculum's pool when on)."""
+    if self.prompt_sampler is not None:
+      return self.prompt_sampler.sample(self.data_rng, self.rows)
+    return self.task.sample(self.data_rng, self.rows)
+
   # ------------------------------------------------------------------ states and checkpoints
 
   def fresh_state(self, phase: str, params=None) -> TrainState:
     """A new train state for ``phase`` (``sft`` or ``rl``) from ``params`` (initial weights by default)."""
     params = self._init_params if params is None else params
-    tx, key = (self.sft_tx, self._sft_key) if phase == "sft" else (self.rl_tx, self._rl_key)
-    return TrainState.create(nnx.merge(self.graphdef, params), tx, key)
+    if phase == "sft":
+      return self._placed(TrainState.create(nnx.merge(self.graphdef, params), self.sft_tx, self._sft_key))
+    a = self.cfg.algo
+    controllers = init_controllers(
+      kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, value_updates=a.value_updates, value_window=a.value_window
+    )
+    if self.use_value:
+      self.value_state = self.fresh_value_state(params)
+    return self._placed(TrainState.create(nnx.merge(self.graphdef, params), self.rl_tx, self._rl_key, controllers))
 
-  def _tree(self, state: TrainState) -> dict[str, Any]:
+  def _placed(self, state: TrainState) -> TrainState:
+    """Puts every leaf not yet on the mesh (step counters, keys, controller scalars) there, replicated.
+
+    A jitted step returns its state with mesh shardings; feeding it a fresh state whose
+    scalars live on one device would compile each step a second time on its second call.
+    """
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+
+    def place(x):
+      return x if isinstance(getattr(x, "sharding", None), NamedSharding) else jax.device_put(x, replicated)
+
+    return jax.tree.map(place, state)
+
+  def fresh_value_state(self, policy_params) -> TrainState:
+    """The value model's state at RL step 0: the policy's backbone, a zero head, a fresh optimizer."""
+    value_params = jax.tree.map(jnp.copy, self._value_init_params)
+    value_params["decoder"] = jax.tree.map(jnp.copy, policy_params["decoder"])
+    key = jax.random.fold_in(self._rl_key, 1)
+    return self._placed(TrainState.create(nnx.merge(self.value_graphdef, value_params), self.value_tx, key))
+
+  @staticmethod
+  def _state_tree(state: TrainState) -> dict[str, Any]:
     return {
       "params": state.params,
       "opt_state": state.opt_state,
@@ -258,11 +477,10 @@ class RLRun:
       "skipped": state.skipped,
       "lr_scale": state.lr_scale,
       "rng": jax.random.key_data(state.rng),
-      "loop_key": jax.random.key_data(self.key),
     }
 
-  def _from_tree(self, template: TrainState, tree: dict[str, Any]) -> TrainState:
-    self.key = jax.random.wrap_key_data(tree["loop_key"])
+  @staticmethod
+  def _state_from_tree(template: TrainState, tree: dict[str, Any]) -> TrainState:
     return template.replace(
       params=tree["params"],
       opt_state=tree["opt_state"],
@@ -271,6 +489,21 @@ class RLRun:
       lr_scale=tree["lr_scale"],
       rng=jax.random.wrap_key_data(tree["rng"]),
     )
+
+  def _tree(self, state: TrainState) -> dict[str, Any]:
+    """The checkpointed arrays: the policy state, the controllers, the value state (RL), the loop key."""
+    tree = {**self._state_tree(state), "loop_key": jax.random.key_data(self.key)}
+    if state.controllers is not None:
+      tree["controllers"] = state.controllers
+      if self.use_value:
+        tree["value"] = self._state_tree(self.value_state)
+    return tree
+
+  def _from_tree(self, template: TrainState, tree: dict[str, Any]) -> TrainState:
+    self.key = jax.random.wrap_key_data(tree["loop_key"])
+    if "value" in tree:
+      self.value_state = self._state_from_tree(self.value_state, tree["value"])
+    return self._state_from_tree(template, tree).replace(controllers=tree.get("controllers", template.controllers))
 
   def _meta(self, phase: str, step: int, log_step: int, *, policy_version: int, with_data: bool) -> dict[str, Any]:
     """Checkpoint metadata (``checkpoints_schema/checkpoint_meta.v1.json``)."""
@@ -287,6 +520,8 @@ class RLRun:
         "rollbacks": self.rollbacks,
         "nonfinite_steps": self.nonfinite_steps,
         "last_good_step": self.last_good_step,
+        "prompt_sampler": self.prompt_sampler.state_dict() if self.prompt_sampler and with_data else None,
+        "reward": self.rewarder.state_dict() if with_data else None,
       },
       "buffer": {
         "next_batch_id": step if phase == "rl" else 0,
@@ -344,6 +579,7 @@ class RLRun:
     self.bad_steps, self.rollbacks = ctl.get("bad_steps", 0), ctl.get("rollbacks", 0)
     self.nonfinite_steps = ctl.get("nonfinite_steps", 0)
     self.last_good_step = ctl.get("last_good_step", meta["step"])
+    self._restore_host_controllers(ctl)
     self.batches.extend(meta["buffer"]["batches"])
     if meta["phase"] == "rl":
       self._restore_reference(state)
@@ -353,6 +589,13 @@ class RLRun:
     what = "rolled back to" if ck.rollback_to >= 0 else "resumed from"
     print(f"{what} {meta['phase']} step {meta['step']} (checkpoint {gstep})", flush=True)
     return Restored(phase=meta["phase"], step=meta["step"], state=state, meta=meta)
+
+  def _restore_host_controllers(self, ctl: dict[str, Any]) -> None:
+    """The host-side states saved in the metadata: the curriculum's pool and estimates, the reward normaliser."""
+    if self.prompt_sampler is not None and ctl.get("prompt_sampler"):
+      self.prompt_sampler.load_state_dict(ctl["prompt_sampler"])
+    if ctl.get("reward"):
+      self.rewarder.load_state_dict(ctl["reward"])
 
   def _restore_reference(self, state: TrainState) -> None:
     if not self.use_kl:
@@ -379,6 +622,7 @@ class RLRun:
     return flag
 
   def close(self) -> None:
+    self.rewarder.close()
     self.ckpt.close()
     self.ref_ckpt.close()
     if self.logger is not None:
@@ -415,38 +659,26 @@ class RLRun:
   # ------------------------------------------------------------------ evaluation
 
   def evaluate(self, params) -> dict[str, float]:
-    """Greedy accuracy and unbiased pass@1 / pass@k on the held-out prompts."""
+    """Greedy accuracy, unbiased pass@k (k = 1, 8, ..., ``--eval_samples``) and maj@k on the held-out prompts."""
+    from mimo_jax.eval.evaluator import default_ks, evaluate_policy  # the evaluator builds on this module
+
     cfg = self.cfg
-    self.sampler.update_params(params)
-    problems = self.heldout
-    k = cfg.run.eval_samples
-    greedy_correct, sample_correct = [], []
-    for start in range(0, len(problems), self.eval_rows):
-      chunk = problems[start : start + self.eval_rows]
-      tokens, mask, _ = encode_prompts(self.tokenizer, [p.prompt for p in chunk], self.buckets, self.eval_rows)
-      self.key, greedy_key, sample_key = jax.random.split(self.key, 3)
-      for temp, G, key, sink in (
-        (0.0, 1, greedy_key, greedy_correct),
-        (cfg.run.eval_temperature, k, sample_key, sample_correct),
-      ):
-        out = self.sampler.generate(
-          tokens,
-          mask,
-          num_samples=G,
-          max_len=cfg.rollout.max_new_tokens,
-          sampling=self.sampling,
-          temperature=temp,
-          key=key,
-        )
-        texts = decode_completions(self.tokenizer, out)
-        for j, prob in enumerate(chunk):
-          sink.append([self.task.reward(prob, texts[j * G + g]) > 0 for g in range(G)])
-    n = len(problems)
-    return {
-      "greedy_accuracy": float(np.mean([c[0] for c in greedy_correct])) if n else float("nan"),
-      "pass@1": float(np.mean([pass_at_k(k, sum(c), 1) for c in sample_correct])) if n else float("nan"),
-      f"pass@{k}": float(np.mean([pass_at_k(k, sum(c), k) for c in sample_correct])) if n else float("nan"),
-    }
+    self.key, eval_key = jax.random.split(self.key)
+    return evaluate_policy(
+      self.sampler,
+      params,
+      self.task,
+      self.tokenizer,
+      self.heldout,
+      buckets=self.buckets,
+      rows=self.eval_rows,
+      max_new_tokens=cfg.rollout.max_new_tokens,
+      sampling=self.sampling,
+      num_samples=cfg.run.eval_samples,
+      ks=default_ks(cfg.run.eval_samples),
+      temperature=cfg.run.eval_temperature,
+      key=eval_key,
+    )
 
   # ------------------------------------------------------------------ RL
 
@@ -473,39 +705,102 @@ class RLRun:
     return r.temperature + frac * (r.temperature_final - r.temperature)
 
   def reward(self, problems, rollout: RolloutOutput) -> Rewards:
+    """Decodes the completions and scores them with the task's composite reward (host)."""
     G = self.cfg.rollout.num_samples
     texts = decode_completions(self.tokenizer, rollout)
-    values = np.array([self.task.reward(problems[i // G], t) for i, t in enumerate(texts)], np.float32)
-    return Rewards(values=values, correct=values > 0, texts=texts)
+    truncated = np.asarray(rollout.finish_reason) == FINISH_LENGTH
+    batch = self.rewarder(reward_samples(problems, texts, G, truncated))
+    correct = (batch.components["correct"] > 0) & ~batch.failed["correct"]
+    values = np.asarray(batch.rewards, np.float32)
+    return Rewards(values, correct, texts, batch.metrics(), batch.histograms())
 
-  def step(self, state: TrainState, step: int) -> tuple[TrainState, dict[str, Any]]:
-    """One RL step: sample -> generate -> reward -> advantages -> update -> sync."""
-    cfg = self.cfg
-    t0 = time.perf_counter()
-    # ---- sample prompts
-    problems = self.task.sample(self.data_rng, self.rows)
+  def _generate(self, temperature: float) -> tuple[list[Any], RolloutOutput, int]:
+    """Samples a batch of prompts and generates ``num_samples`` completions for each."""
+    problems = self.sample_problems()
     tokens, mask, truncated = encode_prompts(self.tokenizer, [p.prompt for p in problems], self.buckets)
-    # ---- generate
     self.key, gen_key = jax.random.split(self.key)
-    temperature = self.temperature(step)
     rollout = self.sampler.generate(
       tokens,
       mask,
-      num_samples=cfg.rollout.num_samples,
-      max_len=cfg.rollout.max_new_tokens,
+      num_samples=self.cfg.rollout.num_samples,
+      max_len=self.cfg.rollout.max_new_tokens,
       sampling=self.sampling,
       temperature=temperature,
       key=gen_key,
     )
+    return problems, rollout, truncated
+
+  def rollout_batch(self, temperature: float) -> tuple[list[Any], RolloutOutput, Rewards, dict[str, float]]:
+    """Generate and reward one batch; with dynamic sampling, refill groups whose rewards are all equal.
+
+    Dynamic sampling (DAPO) generates extra rounds of fresh prompts (each a full,
+    static-shape batch), keeps the first ``prompts_per_step`` groups with a reward spread,
+    and fills any shortfall after ``dynamic_sampling_max_rounds`` extra rounds with the
+    earliest all-equal groups (their advantages are zero; ``ds_filled_groups`` counts them).
+    """
+    G = self.cfg.rollout.num_samples
+    rounds: list[tuple[list[Any], RolloutOutput, Rewards]] = []
+    stats = {"prompt_truncated": 0, "time_reward_s": 0.0}
+    if self.prompt_sampler is not None:
+      stats.update({f"curriculum/{k}": v for k, v in self.prompt_sampler.pass_rate_metrics().items()})
+    keep: list[tuple[int, int]] = []  # (round, group) with a reward spread
+    fill: list[tuple[int, int]] = []  # (round, group) all equal
+    max_rounds = 1 + (self.cfg.algo.dynamic_sampling_max_rounds if self.cfg.algo.dynamic_sampling else 0)
+    while len(rounds) < max_rounds:
+      problems, rollout, truncated = self._generate(temperature)
+      jax.block_until_ready(rollout)
+      t_reward = time.perf_counter()
+      rewards = self.reward(problems, rollout)
+      if self.prompt_sampler is not None:
+        self.prompt_sampler.observe(problems, rewards.correct.reshape(-1, G).mean(axis=1).tolist())
+      stats["time_reward_s"] += time.perf_counter() - t_reward
+      stats["prompt_truncated"] += truncated
+      r = len(rounds)
+      rounds.append((problems, rollout, rewards))
+      groups = rewards.values.reshape(-1, G)
+      for g, row in enumerate(groups):
+        (fill if np.all(row == row[0]) else keep).append((r, g))
+      if not self.cfg.algo.dynamic_sampling or len(keep) >= self.rows:
+        break
+    if len(rounds) == 1:
+      problems, rollout, rewards = rounds[0]
+      return problems, rollout, rewards, stats
+    picks = (keep + fill)[: self.rows]
+    stats.update(
+      ds_rounds=len(rounds),
+      ds_filled_groups=sum(1 for p in picks if p in set(fill)),
+      ds_kept_frac_first_round=sum(1 for r, _ in keep if r == 0) / self.rows,
+    )
+    return (*_select_groups(rounds, picks, G), stats)
+
+  def step(self, state: TrainState, step: int) -> tuple[TrainState, dict[str, Any]]:
+    """One RL step: generate -> reward -> score -> advantages -> update (policy, value) -> controllers -> sync."""
+    cfg = self.cfg
+    t0 = time.perf_counter()
+    # ---- generate and reward (host), with dynamic sampling when on
+    temperature = self.temperature(step)
+    problems, rollout, rewards, gen_stats = self.rollout_batch(temperature)
     jax.block_until_ready(rollout)
     t1 = time.perf_counter()
-    # ---- rewards (host)
-    rewards = self.reward(problems, rollout)
-    t2 = time.perf_counter()
-    # ---- old/reference log-probs and advantages (jitted)
+    # ---- behaviour/reference log-probs, values, dynamic coefficients, advantages (jitted)
     seqs = SequenceBatch(rollout.prompt_tokens, rollout.prompt_mask, rollout.completion_tokens, rollout.completion_mask)
     old_logp, ref_logp = self.score_fn(state.params, self.ref_params, seqs, rollout.temperature)
-    advantages, adv_metrics = self.adv_fn(jnp.asarray(rewards.values))
+    values = self.value_fn(self.value_state.params, seqs) if self.use_value else jnp.zeros_like(old_logp)
+    base_lr = float(self.lr_schedule(jax.device_get(state.step)))  # the optimizer's own count
+    peak = cfg.optim.learning_rate
+    coefs = self.coefs_fn(state.controllers, jnp.int32(step), jnp.float32(base_lr / peak))
+    adv_in = AdvantageInputs(
+      rewards=jnp.asarray(rewards.values),
+      lengths=rollout.lengths,
+      truncated=rollout.finish_reason == FINISH_LENGTH,
+      completion_mask=rollout.completion_mask,
+      old_logprobs=old_logp,
+      ref_logprobs=ref_logp,
+      values=values,
+    )
+    adv_out, controllers, adv_metrics = self.adv_fn(adv_in, state.controllers, coefs)
+    state = state.replace(controllers=controllers)
+    advantages = adv_out.advantages
     if step in self.nan_steps:
       # Fault injection (--debug_nan_steps): a NaN advantage poisons every gradient of the step.
       self.nan_steps.discard(step)
@@ -514,14 +809,14 @@ class RLRun:
       prompt_tokens=rollout.prompt_tokens,
       prompt_mask=rollout.prompt_mask,
       completion_tokens=rollout.completion_tokens,
-      completion_mask=rollout.completion_mask,
+      completion_mask=adv_out.loss_mask,
       advantages=advantages,
       old_logprobs=old_logp,
       ref_logprobs=ref_logp,
       temperature=rollout.temperature,
     )
-    # ---- update (state donated), then point the sampler at the new weights
-    lr = self.lr_schedule(state.step) * state.lr_scale
+    t2 = time.perf_counter()
+    # ---- updates (states donated), then point the sampler at the new weights
     self.batches.append(
       {
         "batch_id": step,
@@ -532,10 +827,42 @@ class RLRun:
         "temperature": float(temperature),
       }
     )
-    state, train_metrics = self.update_fn(state, batch, self.coefs)
-    self.sampler.update_params(state.params)
-    train_metrics, adv_metrics, lengths, finish, lr = jax.device_get(
-      (train_metrics, adv_metrics, rollout.lengths, rollout.finish_reason, lr)
+    train_metrics: dict[str, Any] = {}
+    value_wait = step < cfg.algo.value_warmup_steps
+    if not value_wait:
+      loss_coefs = LossCoefs(
+        kl_coef=coefs.kl_coef,
+        entropy_coef=coefs.entropy_coef,
+        clip_low=coefs.clip_low,
+        clip_high=coefs.clip_high,
+        lr_mult=coefs.lr_mult,
+        clip_norm=coefs.clip_norm,
+      )
+      state, train_metrics = self.update_fn(state, batch, loss_coefs)
+      self.sampler.update_params(state.params)
+    value_metrics: dict[str, Any] = {}
+    if self.use_value:
+      vbatch = ValueBatch(
+        prompt_tokens=rollout.prompt_tokens,
+        prompt_mask=rollout.prompt_mask,
+        completion_tokens=rollout.completion_tokens,
+        completion_mask=rollout.completion_mask,
+        old_values=values,
+        returns=adv_out.returns,
+      )
+      passes = int(jax.device_get(state.controllers.value_updates))
+      for _ in range(passes):
+        self.value_state, value_metrics = self.value_update_fn(self.value_state, vbatch)
+      value_metrics = {**value_metrics, "value_passes": passes}
+    signals = StepSignals(
+      kl=train_metrics.get("kl_k3", adv_metrics["kl_prompt_mean"]),
+      entropy=train_metrics.get("entropy", jnp.float32(jnp.nan)),
+      reward_mean=jnp.float32(rewards.values.mean()),
+      value_loss=value_metrics.get("value_loss", jnp.float32(jnp.nan)),
+    )
+    state = state.replace(controllers=self.ctl_update_fn(state.controllers, signals, jnp.int32(step + 1)))
+    train_metrics, adv_metrics, value_metrics, coefs, lengths, finish, ctl = jax.device_get(
+      (train_metrics, adv_metrics, value_metrics, coefs, rollout.lengths, rollout.finish_reason, state.controllers)
     )
     t3 = time.perf_counter()
     record = {
@@ -543,19 +870,29 @@ class RLRun:
       "reward_std": float(rewards.values.std()),
       "accuracy": float(rewards.correct.mean()),
       "response_len": float(np.mean(lengths)),
-      "truncated_frac": float(np.mean(finish == 1)),
-      "prompt_truncated": int(truncated),
+      "truncated_frac": float(np.mean(finish == FINISH_LENGTH)),
       "temperature": temperature,
-      "lr": float(lr),
+      "lr": float(base_lr * float(state.lr_scale) * float(coefs.lr_mult)),
+      "kl_coef": float(coefs.kl_coef + coefs.kl_reward_coef),
+      "entropy_coef": float(coefs.entropy_coef),
+      "clip_low_now": float(coefs.clip_low),
+      "clip_high_now": float(coefs.clip_high),
+      "grad_clip_now": float(coefs.clip_norm),
+      "phase": int(ctl.phase),
+      "reward_slope": float(ctl.slope),
+      "skipped": 0.0,
+      **gen_stats,
+      **rewards.metrics,
       **{k: float(v) for k, v in train_metrics.items()},
       **{k: float(v) for k, v in adv_metrics.items()},
-      "time_generate_s": t1 - t0,
-      "time_reward_s": t2 - t1,
+      **{k: float(v) for k, v in value_metrics.items()},
+      "time_generate_s": t1 - t0 - gen_stats["time_reward_s"],
+      "time_score_s": t2 - t1,
       "time_train_s": t3 - t2,
       "time_step_s": t3 - t0,
     }
     record["rollout_share"] = record["time_generate_s"] / max(record["time_step_s"], 1e-9)
-    hist = {"reward_hist": rewards.values, "response_len_hist": lengths}
+    hist = {"reward_hist": rewards.values, "response_len_hist": lengths, **rewards.histograms}
     return state, (record, hist)
 
   def rollback(self, state: TrainState, step: int) -> tuple[TrainState, int]:
@@ -574,6 +911,7 @@ class RLRun:
     if ck.rollback_reset_optimizer:
       restored = restored.replace(opt_state=init_opt_state(restored.tx, restored.params))
     self.data_rng.bit_generator.state = meta["data_rng"]
+    self._restore_host_controllers(meta.get("controllers", {}))
     self.batches.clear()
     self.batches.extend(meta["buffer"]["batches"])
     self.rollbacks += 1

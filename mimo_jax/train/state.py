@@ -24,6 +24,7 @@ class TrainState(flax.struct.PyTreeNode):
     rng: PRNG key threaded through the steps.
     skipped: int32, updates skipped because the loss or gradients were not finite.
     lr_scale: float32 multiplier on every update (lowered by a non-finite rollback).
+    controllers: the RL controllers' state (``rl.controllers.ControllerState``; None in SFT).
     graphdef: the static half of ``nnx.split(model)``.
     tx: the optax transformation (static).
   """
@@ -36,9 +37,12 @@ class TrainState(flax.struct.PyTreeNode):
   lr_scale: jax.Array
   graphdef: Any = flax.struct.field(pytree_node=False)
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+  controllers: Any = None
 
   @classmethod
-  def create(cls, model: nnx.Module, tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+  def create(
+    cls, model: nnx.Module, tx: optax.GradientTransformation, rng: jax.Array, controllers: Any = None
+  ) -> TrainState:
     graphdef, params = nnx.split(model)
     return cls(
       step=jnp.zeros((), jnp.int32),
@@ -49,6 +53,7 @@ class TrainState(flax.struct.PyTreeNode):
       lr_scale=jnp.ones((), jnp.float32),
       graphdef=graphdef,
       tx=tx,
+      controllers=controllers,
     )
 
   def model(self) -> nnx.Module:
@@ -114,31 +119,63 @@ def _decay_mask(params):
 
 
 def make_optimizer(
-  cfg: OptimConfig, total_steps: int, *, peak: float | None = None
+  cfg: OptimConfig, total_steps: int, *, peak: float | None = None, clip: bool = True, constant: bool = False
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW with the configured schedule and global-norm clipping; returns ``(tx, schedule)``."""
-  schedule = learning_rate_schedule(cfg, total_steps, peak=peak)
+  """AdamW with the configured schedule and global-norm clipping; returns ``(tx, schedule)``.
+
+  Args:
+    cfg: the optimizer config.
+    total_steps: updates the schedule spans.
+    peak: peak learning rate (default ``cfg.learning_rate``).
+    clip: include the static global-norm clip (False when the caller clips dynamically,
+      see :func:`apply_gradients`).
+    constant: a constant schedule at the peak (when a controller shapes the LR instead).
+  """
+  schedule = optax.constant_schedule(peak or cfg.learning_rate) if constant else None
+  schedule = schedule or learning_rate_schedule(cfg, total_steps, peak=peak)
   parts = []
-  if cfg.grad_clip > 0:
+  if clip and cfg.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(cfg.grad_clip))
   parts.append(optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay, mask=_decay_mask))
   return optax.chain(*parts), schedule
 
 
-def apply_gradients(state: TrainState, grads: Any, loss: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+def apply_gradients(
+  state: TrainState,
+  grads: Any,
+  loss: jax.Array,
+  *,
+  lr_mult: jax.Array | None = None,
+  clip_norm: jax.Array | None = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
   """Applies ``grads`` unless the loss or any gradient is non-finite.
 
   A non-finite update leaves parameters *and* optimizer state untouched (so a NaN never
   reaches the weights or Adam's moments) and is counted in ``state.skipped``.
 
+  Args:
+    state: the train state.
+    grads: gradients shaped like ``state.params``.
+    loss: the loss they came from (checked for finiteness).
+    lr_mult: optional dynamic multiplier of the update (a controller's LR shape), on top of
+      ``state.lr_scale``; AdamW's update is linear in the learning rate, so this equals
+      scaling the learning rate.
+    clip_norm: optional dynamic global-norm clip threshold applied before the optimizer
+      (e.g. linked to the LR); ``inf`` disables it.
+
   Returns:
-    The new state and metrics ``grad_norm``, ``update_norm``, ``skipped`` (0/1 this call).
+    The new state and metrics ``grad_norm`` (before clipping), ``update_norm``, ``skipped``
+    (0/1 this call).
   """
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
-  safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+  scale = jnp.ones((), jnp.float32)
+  if clip_norm is not None:
+    scale = jnp.minimum(1.0, clip_norm / jnp.maximum(grad_norm, 1e-12))
+  safe_grads = jax.tree.map(lambda g: jnp.where(finite, g * scale.astype(g.dtype), jnp.zeros_like(g)), grads)
   updates, new_opt = state.tx.update(safe_grads, state.opt_state, state.params)
-  updates = jax.tree.map(lambda u: (u * state.lr_scale).astype(u.dtype), updates)
+  lr = state.lr_scale if lr_mult is None else state.lr_scale * lr_mult
+  updates = jax.tree.map(lambda u: (u * lr).astype(u.dtype), updates)
   new_params = optax.apply_updates(state.params, updates)
 
   def keep(new, old):

@@ -19,9 +19,11 @@ from jax.sharding import Mesh
 
 from mimo_jax import sharding
 from mimo_jax.models.logprobs import completion_logprobs, completion_stats
-from mimo_jax.rl.advantages import group_advantages
+from mimo_jax.models.transformer import positions_from_mask
+from mimo_jax.rl.advantages import gae, group_advantages, masked_mean, masked_var, masked_whiten
+from mimo_jax.rl.controllers import ControllerState, DynamicCoefs, overlong_shaping, shape_rewards
 from mimo_jax.rl.kl import kl_estimate
-from mimo_jax.rl.losses import aggregate, policy_loss
+from mimo_jax.rl.losses import aggregate, policy_loss, value_loss
 from mimo_jax.train.state import TrainState, apply_gradients
 
 # ----------------------------------------------------------------------------
@@ -55,7 +57,7 @@ class PolicyBatch:
     prompt_mask: bool ``[B, P]``.
     completion_tokens: int32 ``[B, M]``.
     completion_mask: bool ``[B, M]``.
-    advantages: float32 ``[B]``, one per sequence.
+    advantages: float32 ``[B]`` (one per sequence) or ``[B, M]`` (per token, e.g. GAE).
     old_logprobs: float32 ``[B, M]``, the behaviour policy's log-probs.
     ref_logprobs: float32 ``[B, M]``, the frozen reference's log-probs (zeros without KL).
     temperature: float32 ``[B]``, the sampling temperature (log-probs are recomputed at it).
@@ -73,10 +75,23 @@ class PolicyBatch:
 
 @flax.struct.dataclass
 class LossCoefs:
-  """Dynamic loss coefficients (controllers may change them every step without recompiling)."""
+  """Dynamic coefficients of the update (controllers change them every step without recompiling).
+
+  Attributes:
+    kl_coef: KL-to-reference coefficient in the loss.
+    entropy_coef: entropy-bonus coefficient.
+    clip_low, clip_high: the PPO clip range (None: the static ``UpdateSettings`` values).
+    lr_mult: multiplier of the optimizer update (None: 1).
+    clip_norm: global-norm gradient clip threshold applied before the optimizer (None: none
+      beyond the optimizer's own).
+  """
 
   kl_coef: jax.Array
   entropy_coef: jax.Array
+  clip_low: jax.Array | None = None
+  clip_high: jax.Array | None = None
+  lr_mult: jax.Array | None = None
+  clip_norm: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,14 +207,144 @@ def make_score_fn(graphdef: Any, mesh: Mesh | None, *, use_reference: bool, logp
   return jax.jit(score)
 
 
-def make_advantage_fn(group_size: int, mode: str):
-  """A jitted ``rewards [B] -> (advantages [B], metrics)`` (group-relative estimators)."""
+@dataclasses.dataclass(frozen=True)
+class AdvantageSettings:
+  """Static settings of the advantage stage.
 
-  def advantages(rewards):
-    adv = group_advantages(rewards, group_size, mode=mode)
-    grouped = rewards.reshape(-1, group_size)
-    solved_all = jnp.mean(jnp.all(grouped == grouped[:, :1], axis=1))
-    return adv, {"adv_abs_mean": jnp.mean(jnp.abs(adv)), "frac_groups_all_equal": solved_all}
+  Attributes:
+    estimator: ``grpo`` / ``drgrpo`` / ``rloo`` / ``reinforce_baseline`` (group-relative,
+      one advantage per sequence) or ``gae`` (per token, from the value model).
+    group_size: samples per prompt (rows of a group are contiguous).
+    max_len: the completion length limit (for overlong shaping).
+    overlong: ``none`` / ``penalty`` / ``mask`` (see ``rl.controllers.overlong_shaping``).
+    overlong_buffer: width of the soft-penalty zone in tokens.
+    shape_rewards: quantile-clip and EMA-standardise the rewards (advantage path only).
+    reward_clip_low, reward_clip_high: the clipping quantiles.
+    kl_estimator: estimator of the per-token KL used in the reward and in the metrics' tails.
+    gamma, lam: GAE discount and lambda.
+  """
+
+  estimator: str = "grpo"
+  group_size: int = 2
+  max_len: int = 1
+  overlong: str = "none"
+  overlong_buffer: int = 4
+  shape_rewards: bool = False
+  reward_clip_low: float = 0.0
+  reward_clip_high: float = 1.0
+  kl_estimator: str = "k1"
+  gamma: float = 0.99
+  lam: float = 0.95
+
+
+@flax.struct.dataclass
+class AdvantageInputs:
+  """Everything the advantage stage reads (``B`` rollout rows, ``M`` completion tokens).
+
+  Attributes:
+    rewards: float32 ``[B]`` raw rewards from the verifier / reward sources.
+    lengths: int32 ``[B]`` completion lengths.
+    truncated: bool ``[B]``, the completion hit the length limit.
+    completion_mask: bool ``[B, M]``.
+    old_logprobs: float32 ``[B, M]`` behaviour log-probs.
+    ref_logprobs: float32 ``[B, M]`` reference log-probs (zeros without a reference).
+    values: float32 ``[B, M]`` value predictions at rollout time (zeros without a value model).
+  """
+
+  rewards: jax.Array
+  lengths: jax.Array
+  truncated: jax.Array
+  completion_mask: jax.Array
+  old_logprobs: jax.Array
+  ref_logprobs: jax.Array
+  values: jax.Array
+
+
+@flax.struct.dataclass
+class AdvantageOutput:
+  """Advantages ``[B, M]`` (per token; group estimators broadcast theirs), returns ``[B, M]``
+  (GAE targets of the value model; zeros otherwise), and the loss mask ``[B, M]`` (the
+  completion mask minus rows excluded by overlong masking)."""
+
+  advantages: jax.Array
+  returns: jax.Array
+  loss_mask: jax.Array
+
+
+def _per_prompt_kl_tail(old_logp, ref_logp, mask, group_size: int) -> dict[str, jax.Array]:
+  """Per-sequence token-mean k3 KL to the reference, averaged per prompt; mean, p95 and max over prompts."""
+  k3 = kl_estimate(old_logp, ref_logp, "k3")
+  per_seq = jnp.sum(jnp.where(mask, k3, 0.0), axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1)
+  per_prompt = per_seq.reshape(-1, group_size).mean(axis=1)
+  return {
+    "kl_prompt_mean": jnp.mean(per_prompt),
+    "kl_prompt_p95": jnp.quantile(per_prompt, 0.95),
+    "kl_prompt_max": jnp.max(per_prompt),
+  }
+
+
+def _explained_variance(values, returns, mask) -> jax.Array:
+  """``1 - Var(returns - values) / Var(returns)`` over valid tokens (1 = perfect, <= 0 = useless)."""
+  var_ret = masked_var(returns, mask, unbiased=False)
+  return 1.0 - masked_var(returns - values, mask, unbiased=False) / jnp.maximum(var_ret, 1e-8)
+
+
+def make_advantage_fn(settings: AdvantageSettings):
+  """The jitted advantage stage.
+
+  ``(inputs, ctl, coefs) -> (AdvantageOutput, ctl, metrics)`` with ``ctl`` a
+  :class:`~mimo_jax.rl.controllers.ControllerState` (its reward-shaping statistics are
+  advanced) and ``coefs`` the step's :class:`~mimo_jax.rl.controllers.DynamicCoefs`.
+  Order: raw reward -> overlong shaping -> quantile clip + EMA standardisation ->
+  minus the KL penalty (when the KL is in the reward) -> the estimator.  Logged rewards are
+  the raw ones; this stage only feeds the advantages.
+  """
+  s = settings
+
+  def advantages(inputs: AdvantageInputs, ctl: ControllerState, coefs: DynamicCoefs):
+    mask = inputs.completion_mask.astype(bool)
+    raw = inputs.rewards.astype(jnp.float32)
+    rewards, keep = overlong_shaping(
+      raw, inputs.lengths, inputs.truncated, max_len=s.max_len, buffer=s.overlong_buffer, mode=s.overlong
+    )
+    metrics = {"overlong_penalty": jnp.mean(rewards - raw), "frac_rows_masked": 1.0 - jnp.mean(keep)}
+    if s.shape_rewards:
+      rewards, mean, var = shape_rewards(
+        rewards,
+        ctl.reward_mean,
+        ctl.reward_var,
+        ctl.reward_seen,
+        clip_low=s.reward_clip_low,
+        clip_high=s.reward_clip_high,
+        decay=coefs.reward_decay,
+      )
+      ctl = ctl.replace(reward_mean=mean, reward_var=var, reward_seen=jnp.ones((), bool))
+      metrics.update(reward_ema_mean=mean, reward_ema_std=jnp.sqrt(var))
+    kl_tok = jnp.where(mask, kl_estimate(inputs.old_logprobs, inputs.ref_logprobs, s.kl_estimator), 0.0)
+    loss_mask = mask & keep[:, None]
+    if s.estimator == "gae":
+      # Token rewards: the KL penalty on every token, the sequence reward on the last one.
+      last = jax.nn.one_hot(jnp.maximum(inputs.lengths - 1, 0), mask.shape[1], dtype=jnp.float32)
+      token_rewards = rewards[:, None] * last - coefs.kl_reward_coef * kl_tok
+      adv, returns = gae(token_rewards, inputs.values, mask, gamma=s.gamma, lam=s.lam)
+      adv = masked_whiten(adv, loss_mask)
+      adv = jnp.where(loss_mask, adv, 0.0)
+      metrics["explained_variance"] = _explained_variance(inputs.values, returns, mask)
+      metrics["value_pred_mean"] = masked_mean(inputs.values, mask)
+      metrics["return_mean"] = masked_mean(returns, mask)
+    else:
+      seq_rewards = rewards - coefs.kl_reward_coef * jnp.sum(kl_tok, axis=1)
+      seq_adv = group_advantages(seq_rewards, s.group_size, mode=s.estimator)
+      adv = jnp.where(loss_mask, seq_adv[:, None], 0.0)
+      returns = jnp.zeros_like(adv)
+    grouped = raw.reshape(-1, s.group_size)
+    metrics.update(
+      adv_abs_mean=masked_mean(jnp.abs(adv), loss_mask),
+      frac_groups_all_equal=jnp.mean(jnp.all(grouped == grouped[:, :1], axis=1)),
+      shaped_reward_mean=jnp.mean(rewards),
+      **_per_prompt_kl_tail(inputs.old_logprobs, inputs.ref_logprobs, mask, s.group_size),
+    )
+    return AdvantageOutput(advantages=adv, returns=returns, loss_mask=loss_mask), ctl, metrics
 
   return jax.jit(advantages)
 
@@ -234,8 +379,8 @@ def policy_objective(
     mb.advantages,
     mask,
     mode=settings.policy_loss,
-    clip_low=settings.clip_low,
-    clip_high=settings.clip_high,
+    clip_low=settings.clip_low if coefs.clip_low is None else coefs.clip_low,
+    clip_high=settings.clip_high if coefs.clip_high is None else coefs.clip_high,
     clip_c=settings.clip_c,
     agg=settings.loss_agg,
     norm=settings.agg_norm,
@@ -279,7 +424,9 @@ def make_update_fn(mesh: Mesh | None, settings: UpdateSettings):
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     grads, metrics = jax.lax.scan(accumulate, zeros, micro)
     metrics = {k: (jnp.max(v) if k in _MAX_METRICS else jnp.sum(v)) for k, v in metrics.items()}
-    state, opt_metrics = apply_gradients(state, grads, metrics["loss"])
+    state, opt_metrics = apply_gradients(
+      state, grads, metrics["loss"], lr_mult=coefs.lr_mult, clip_norm=coefs.clip_norm
+    )
     return state, {**metrics, **opt_metrics}
 
   def update(state: TrainState, batch: PolicyBatch, coefs: LossCoefs):
@@ -295,5 +442,130 @@ def make_update_fn(mesh: Mesh | None, settings: UpdateSettings):
     state, metrics = jax.lax.scan(epoch, state, None, length=settings.epochs)
     metrics = {k: (jnp.max(v) if k in _MAX_METRICS else jnp.mean(v)) for k, v in metrics.items()}
     return state, metrics
+
+  return jax.jit(update, donate_argnums=(0,))
+
+
+# ----------------------------------------------------------------------------
+# Value model (PPO)
+# ----------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class ValueBatch:
+  """A rollout batch with value targets (``B`` rows).
+
+  Attributes:
+    prompt_tokens: int32 ``[B, P]``.
+    prompt_mask: bool ``[B, P]``.
+    completion_tokens: int32 ``[B, M]``.
+    completion_mask: bool ``[B, M]``.
+    old_values: float32 ``[B, M]``, the value model's predictions at rollout time.
+    returns: float32 ``[B, M]``, the GAE returns (targets).
+  """
+
+  prompt_tokens: jax.Array
+  prompt_mask: jax.Array
+  completion_tokens: jax.Array
+  completion_mask: jax.Array
+  old_values: jax.Array
+  returns: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueSettings:
+  """Static settings of one value-model pass.
+
+  Attributes:
+    clip: value clip range (see ``rl.losses.value_loss``).
+    loss_agg: aggregation mode.
+    agg_norm: the constant of ``seq-mean-token-sum-norm``.
+    num_minibatches: optimizer updates per pass.
+    grad_accum: micro-batches per minibatch.
+  """
+
+  clip: float = 0.2
+  loss_agg: str = "token-mean"
+  agg_norm: float | None = None
+  num_minibatches: int = 1
+  grad_accum: int = 1
+
+
+def completion_values(value_model, prompt_tokens, prompt_mask, completion_tokens, completion_mask) -> jax.Array:
+  """Value predictions ``[B, M]`` for the state *before* each completion token (0 where masked).
+
+  Position ``P - 1 + t`` has seen the prompt and the first ``t`` completion tokens, the
+  state in which token ``t`` is chosen (the same positions that predict it).
+  """
+  P, M = prompt_tokens.shape[1], completion_tokens.shape[1]
+  tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
+  mask = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)
+  values = value_model(tokens, attention_mask=mask, positions=positions_from_mask(mask))
+  return jnp.where(completion_mask, values[:, P - 1 : P - 1 + M].astype(jnp.float32), 0.0)
+
+
+def make_value_fn(graphdef: Any, mesh: Mesh | None):
+  """A jitted ``(value_params, SequenceBatch) -> values [B, M]``."""
+
+  def values(params, batch: SequenceBatch):
+    with _rules(mesh):
+      model = nnx.merge(graphdef, params)
+      return completion_values(
+        model, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask
+      )
+
+  return jax.jit(values)
+
+
+def make_value_update_fn(mesh: Mesh | None, settings: ValueSettings):
+  """One jitted, state-donating pass of clipped value-loss updates: ``(state, ValueBatch) -> (state, metrics)``.
+
+  The batch is shuffled (key from ``state.rng``) into ``num_minibatches`` minibatches,
+  each accumulated over ``grad_accum`` micro-batches with the minibatch's global token
+  and sequence counts.  The trainer calls it as many times per RL step as the value
+  update-frequency controller asks (the pass count is a host integer: no recompiles).
+  """
+
+  def objective(params, graphdef, mb: ValueBatch, num_tokens, num_seqs):
+    model = nnx.merge(graphdef, params)
+    values = completion_values(model, mb.prompt_tokens, mb.prompt_mask, mb.completion_tokens, mb.completion_mask)
+    loss, metrics = value_loss(
+      values,
+      mb.old_values,
+      mb.returns,
+      mb.completion_mask,
+      clip=settings.clip,
+      agg=settings.loss_agg,
+      norm=settings.agg_norm,
+      num_tokens=num_tokens,
+      num_seqs=num_seqs,
+    )
+    share = jnp.sum(mb.completion_mask) / num_tokens
+    return loss, {"value_loss": loss, **{k: v * share for k, v in metrics.items()}}
+
+  grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+  def minibatch_update(state: TrainState, mb: ValueBatch):
+    num_tokens, num_seqs = _num_tokens(mb.completion_mask), _num_seqs(mb.completion_mask)
+
+    def accumulate(grads, micro_batch):
+      with _rules(mesh):
+        (_, metrics), g = grad_fn(state.params, state.graphdef, micro_batch, num_tokens, num_seqs)
+      return jax.tree.map(jnp.add, grads, g), metrics
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    grads, metrics = jax.lax.scan(accumulate, zeros, _split_rows(mb, settings.grad_accum))
+    metrics = {k: jnp.sum(v) for k, v in metrics.items()}
+    state, opt_metrics = apply_gradients(state, grads, metrics["value_loss"])
+    return state, {**metrics, **{f"value_{k}": v for k, v in opt_metrics.items()}}
+
+  def update(state: TrainState, batch: ValueBatch):
+    B = batch.returns.shape[0]
+    rng, perm_rng = jax.random.split(state.rng)
+    state = state.replace(rng=rng)
+    perm = jax.random.permutation(perm_rng, B) if settings.num_minibatches > 1 else jnp.arange(B)
+    minibatches = _split_rows(jax.tree.map(lambda x: x[perm], batch), settings.num_minibatches)
+    state, metrics = jax.lax.scan(minibatch_update, state, minibatches)
+    return state, {k: jnp.mean(v) for k, v in metrics.items()}
 
   return jax.jit(update, donate_argnums=(0,))

@@ -1,0 +1,763 @@
+"""TFDS builders over local prompt files, and a resumable shuffled index stream.
+
+Every source is written once into a caller-given ``data_dir`` as ``array_record`` files
+(the only TFDS format that works without TensorFlow) and read back with random access
+through :meth:`tfds.core.DatasetBuilder.as_data_source`.  Nothing is downloaded.
+
+Sources (the ``kind`` of :func:`load_prompt_source`):
+
+* ``"gsm8k"`` (:class:`Gsm8kBuilder`): ``question`` and ``answer`` strings; a row whose
+  answer has no ``#### <number>`` final answer is malformed (as in
+  :func:`mimo_jax.tasks.gsm8k.load_gsm8k_jsonl`).  Defaults to the shipped samples.
+* ``"humaneval"`` (:class:`HumanEvalBuilder`): ``task_id``, ``prompt``,
+  ``canonical_solution``, ``test`` and ``entry_point`` strings, from ``.jsonl`` or
+  ``.jsonl.gz``.
+* ``"jsonl"`` (:class:`JsonlPromptsBuilder`): any JSON-lines file; a *field map*
+  ``{feature: json_key}`` (e.g. ``{"prompt": "question", "answer": "solution"}``) names
+  the string fields to keep and what to call them.  The field map is part of the
+  builder's :class:`JsonlSourceConfig`, so one builder class serves every mapping and each
+  mapping gets its own cache directory.
+* ``"arith"`` (:class:`ArithBuilder`): the synthetic :class:`~mimo_jax.tasks.arith.ArithTask`
+  described by an :class:`ArithSpec`: a ``train`` split of ``num_rows`` distinct
+  generated problems (never a held-out one) and a ``test`` split of the task's held-out
+  problems.
+
+Every JSONL row also records ``source_line``, its 1-based line number in the file.
+Rows keep their file order (``disable_shuffling=True``); text is stored verbatim.
+
+Caching: the builder config's name is a hash of the source files' *contents* (SHA-256 of
+the bytes as stored, so of the compressed bytes for ``.gz``), the field map and a format
+version.  The dataset therefore lives in ``data_dir/<builder>/<hash>/<version>/``; an
+unchanged file reuses it, a changed file hashes differently and is built afresh in a new
+directory (old directories are left for the caller to delete).  The file is hashed again
+while building, and a file that changed in between is an error rather than a mislabelled
+cache.
+
+Malformed rows (not UTF-8, not JSON, not an object, a field missing, not a string or
+blank, or a kind-specific check failing) are never silently dropped: they are counted,
+the first one is logged as a warning (line number, reason and text), and per split the
+count and first offender are stored in the dataset's ``metadata.json``
+(``builder.info.metadata["splits"][split]``) and exposed as
+:attr:`PromptSource.num_malformed`.  Blank lines are not rows.  A split without any
+usable row raises :class:`ValueError` naming the file.
+
+:class:`PromptStream` turns a dataset size into a reproducible stream of indices: one
+permutation per epoch, derived from ``(seed, epoch)`` alone, with a JSON-able
+``state_dict`` from which a restored stream continues identically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import json
+import logging
+import operator
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from mimo_jax.tasks.arith import ArithTask
+from mimo_jax.tasks.gsm8k import DEFAULT_TEST_PATH as GSM8K_TEST_PATH
+from mimo_jax.tasks.gsm8k import DEFAULT_TRAIN_PATH as GSM8K_TRAIN_PATH
+from mimo_jax.tasks.gsm8k import gold_answer
+
+__all__ = [
+  "DEFAULT_FIELD_MAP",
+  "GSM8K_FIELDS",
+  "HUMANEVAL_FIELDS",
+  "KINDS",
+  "LINE_FEATURE",
+  "ArithBuilder",
+  "ArithSourceConfig",
+  "ArithSpec",
+  "Gsm8kBuilder",
+  "HumanEvalBuilder",
+  "JsonlPromptsBuilder",
+  "JsonlSourceConfig",
+  "PromptSource",
+  "PromptStream",
+  "default_path",
+  "file_sha256",
+  "load_prompt_source",
+  "prepare_builder",
+]
+
+_logger = logging.getLogger(__name__)
+
+KINDS = ("gsm8k", "humaneval", "jsonl", "arith")
+
+HUMANEVAL_FIELDS = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
+GSM8K_FIELDS = ("question", "answer")
+DEFAULT_FIELD_MAP: Mapping[str, str] = {"prompt": "prompt", "answer": "answer"}
+
+_HUMANEVAL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "humaneval")
+
+# Bumped whenever what a builder writes changes, so old caches are not reused.
+_FORMAT_VERSION = 1
+_VERSION = tfds.core.Version("1.0.0")
+# Feature holding a row's 1-based line number in its source file.
+LINE_FEATURE = "source_line"
+# Longest excerpt of a malformed line kept in logs and metadata.
+_MAX_EXCERPT = 200
+# Rounds of ArithTask.sample() before giving up on finding num_rows distinct problems.
+_ARITH_MAX_ROUNDS = 64
+_ARITH_TAG = 0x54464453  # "TFDS": keeps the generated rows independent of other streams of the same seed
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+  """Returns the SHA-256 hex digest of a file's bytes (as stored; ``.gz`` files are not decompressed)."""
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      digest.update(chunk)
+  return digest.hexdigest()
+
+
+def _read_lines(path: str, expected_sha256: str) -> list[bytes]:
+  """Reads a (possibly gzipped) file, checks its hash and splits it into raw lines."""
+  with open(path, "rb") as f:
+    raw = f.read()
+  actual = hashlib.sha256(raw).hexdigest()
+  if actual != expected_sha256:
+    raise RuntimeError(f"{path} changed while its dataset was being prepared (sha256 {actual} != {expected_sha256})")
+  if path.endswith(".gz"):
+    raw = gzip.decompress(raw)
+  return raw.split(b"\n")
+
+
+def _config_name(payload: Mapping[str, Any]) -> str:
+  """A short, stable hash of a JSON-able config description (used as the TFDS config name)."""
+  text = json.dumps({"format": _FORMAT_VERSION, **payload}, sort_keys=True)
+  return "h" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
+
+
+# ---- JSONL builders ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class JsonlSourceConfig(tfds.core.BuilderConfig):
+  """Which files a JSONL builder reads, and how its fields are named.
+
+  Build one with :meth:`create`, which hashes the files; the config's ``name`` (and thus
+  its cache directory) is derived from that hash and the field map.
+
+  Attributes:
+    split_files: ``(split, path)`` pairs.
+    split_hashes: ``(split, sha256)`` pairs, the hash of each file when the config was made.
+    field_map: ``(feature, json_key)`` pairs; only :class:`JsonlPromptsBuilder` uses them.
+  """
+
+  split_files: tuple[tuple[str, str], ...] = ()
+  split_hashes: tuple[tuple[str, str], ...] = ()
+  field_map: tuple[tuple[str, str], ...] = ()
+
+  @classmethod
+  def create(
+    cls,
+    builder_name: str,
+    split_files: Mapping[str, str | os.PathLike[str]],
+    field_map: Mapping[str, str] | None = None,
+  ) -> JsonlSourceConfig:
+    """Makes a config for ``split_files``, hashing every file now.
+
+    Args:
+      builder_name: the builder's TFDS name (part of the hash).
+      split_files: split name to JSONL path (``.gz`` allowed).
+      field_map: feature name to JSON key, for :class:`JsonlPromptsBuilder`.
+
+    Returns:
+      The config.
+
+    Raises:
+      ValueError: on no splits or an invalid field map.
+      FileNotFoundError: if a file does not exist.
+    """
+    if not split_files:
+      raise ValueError("split_files must name at least one split")
+    files = tuple(sorted((str(split), os.path.abspath(os.fspath(path))) for split, path in split_files.items()))
+    for split, path in files:
+      if not os.path.isfile(path):
+        raise FileNotFoundError(f"{builder_name}: no file for split {split!r} at {path}")
+    hashes = tuple((split, file_sha256(path)) for split, path in files)
+    fields = tuple(sorted(_check_field_map(field_map).items())) if field_map is not None else ()
+    name = _config_name({"builder": builder_name, "splits": dict(hashes), "field_map": [list(f) for f in fields]})
+    return cls(name=name, split_files=files, split_hashes=hashes, field_map=fields)
+
+
+def _check_field_map(field_map: Mapping[str, str]) -> dict[str, str]:
+  out = dict(field_map)
+  if not out:
+    raise ValueError("field_map must map at least one feature to a JSON key")
+  for feature, key in out.items():
+    if not isinstance(feature, str) or not feature.isidentifier():
+      raise ValueError(f"field_map feature names must be identifiers, got {feature!r}")
+    if feature == LINE_FEATURE:
+      raise ValueError(f"field_map must not define {LINE_FEATURE!r}: it holds the source line number")
+    if not isinstance(key, str) or not key:
+      raise ValueError(f"field_map[{feature!r}] must be a non-empty JSON key, got {key!r}")
+  return out
+
+
+def _parse_row(raw: bytes, fields: Mapping[str, str]) -> tuple[dict[str, str] | None, str]:
+  """Parses one raw line into ``{feature: text}``; returns ``(row, "")`` or ``(None, reason)``."""
+  try:
+    obj = json.loads(raw.decode("utf-8"))
+  except UnicodeDecodeError as e:
+    return None, f"not valid UTF-8 ({e.reason})"
+  except json.JSONDecodeError as e:
+    return None, f"invalid JSON ({e.msg})"
+  if not isinstance(obj, dict):
+    return None, f"not a JSON object but {type(obj).__name__}"
+  row: dict[str, str] = {}
+  for feature, key in fields.items():
+    if key not in obj:
+      return None, f"missing field {key!r}"
+    value = obj[key]
+    if not isinstance(value, str):
+      return None, f"field {key!r} is {type(value).__name__}, not a string"
+    if not value.strip():
+      return None, f"field {key!r} is empty"
+    row[feature] = value
+  return row, ""
+
+
+class _JsonlBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """Shared logic: read, validate and write the rows of one JSONL file per split."""
+
+  VERSION = _VERSION
+
+  def _fields(self) -> dict[str, str]:
+    """Feature name to JSON key."""
+    raise NotImplementedError
+
+  def _check_row(self, row: dict[str, str]) -> str:
+    """A kind-specific check of a parsed row: "" if usable, else the reason it is not."""
+    del row
+    return ""
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    features = {name: tfds.features.Text() for name in self._fields()}
+    features[LINE_FEATURE] = tfds.features.Scalar(dtype=np.int64)
+    return tfds.core.DatasetInfo(
+      builder=self,
+      description=f"{self.name}: rows of local JSON-lines files, in file order.",
+      features=tfds.features.FeaturesDict(features),
+      disable_shuffling=True,
+      metadata=tfds.core.MetadataDict(),
+    )
+
+  def _split_generators(self, dl_manager: Any) -> dict[str, Iterator[tuple[int, dict[str, Any]]]]:
+    del dl_manager  # local files only
+    config: JsonlSourceConfig = self.builder_config
+    hashes = dict(config.split_hashes)
+    fields = self._fields()
+    splits_meta: dict[str, Any] = {}
+    generators = {}
+    for split, path in config.split_files:
+      rows, meta = self._read_split(split, path, hashes[split], fields)
+      splits_meta[split] = meta
+      generators[split] = self._generate_examples(rows)
+    self.info.metadata["splits"] = splits_meta
+    self.info.metadata["field_map"] = fields
+    return generators
+
+  def _read_split(
+    self, split: str, path: str, sha256: str, fields: Mapping[str, str]
+  ) -> tuple[list[tuple[int, dict[str, str]]], dict[str, Any]]:
+    rows: list[tuple[int, dict[str, str]]] = []
+    num_bad = 0
+    first_bad: dict[str, Any] | None = None
+    for lineno, raw in enumerate(_read_lines(path, sha256), start=1):
+      if not raw.strip():
+        continue
+      row, reason = _parse_row(raw, fields)
+      if row is not None:
+        reason = self._check_row(row)
+      if reason:
+        num_bad += 1
+        if first_bad is None:
+          excerpt = raw[:_MAX_EXCERPT].decode("utf-8", errors="replace")
+          first_bad = {"line": lineno, "reason": reason, "text": excerpt}
+        continue
+      assert row is not None
+      rows.append((lineno, row))
+    if first_bad is not None:
+      _logger.warning(
+        "%s (%s split %r): skipped %d malformed row(s) of %d; first at line %d: %s: %r",
+        path,
+        self.name,
+        split,
+        num_bad,
+        num_bad + len(rows),
+        first_bad["line"],
+        first_bad["reason"],
+        first_bad["text"],
+      )
+    if not rows:
+      raise ValueError(f"{path}: no usable {self.name} rows for split {split!r} ({num_bad} malformed)")
+    meta = {
+      "path": path,
+      "sha256": sha256,
+      "num_rows": len(rows),
+      "num_malformed": num_bad,
+      "first_malformed": first_bad,
+    }
+    return rows, meta
+
+  def _generate_examples(self, rows: list[tuple[int, dict[str, str]]]) -> Iterator[tuple[int, dict[str, Any]]]:  # type: ignore[override]
+    for lineno, row in rows:
+      yield lineno, {**row, LINE_FEATURE: lineno}
+
+
+class Gsm8kBuilder(_JsonlBuilder, skip_registration=True):
+  """GSM8K JSONL files: ``question`` and ``answer`` (a solution ending in ``#### <number>``)."""
+
+  name = "mimo_gsm8k"
+
+  def _fields(self) -> dict[str, str]:
+    return {key: key for key in GSM8K_FIELDS}
+
+  def _check_row(self, row: dict[str, str]) -> str:
+    return "" if gold_answer(row["answer"]) is not None else "answer has no '#### <number>' final answer"
+
+
+class HumanEvalBuilder(_JsonlBuilder, skip_registration=True):
+  """HumanEval JSONL(.gz) files: the string fields in :data:`HUMANEVAL_FIELDS`."""
+
+  name = "mimo_humaneval"
+
+  def _fields(self) -> dict[str, str]:
+    return {key: key for key in HUMANEVAL_FIELDS}
+
+
+class JsonlPromptsBuilder(_JsonlBuilder, skip_registration=True):
+  """Any JSONL file; the config's ``field_map`` says which string fields to keep and how to name them."""
+
+  name = "mimo_jsonl_prompts"
+
+  def _fields(self) -> dict[str, str]:
+    config: JsonlSourceConfig = self.builder_config
+    if not config.field_map:
+      raise ValueError(f"{self.name} needs a config with a field_map")
+    return dict(config.field_map)
+
+
+# ---- synthetic arithmetic ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithSpec:
+  """The synthetic arithmetic source: which :class:`~mimo_jax.tasks.arith.ArithTask` and how many rows.
+
+  Attributes:
+    levels: the task's levels.
+    seed: the task's seed (held-out split and generated training rows).
+    num_rows: distinct training problems to generate.
+    heldout_size: held-out problems (the ``test`` split); 0 means no ``test`` split.
+    reverse_answer: passed to the task.
+  """
+
+  levels: tuple[int, ...] = (1, 2)
+  seed: int = 0
+  num_rows: int = 1024
+  heldout_size: int = 256
+  reverse_answer: bool = False
+
+  def to_json(self) -> dict[str, Any]:
+    """A JSON-able description (levels as a sorted list)."""
+    out = dataclasses.asdict(self)
+    out["levels"] = sorted(int(x) for x in self.levels)
+    return out
+
+
+@dataclasses.dataclass
+class ArithSourceConfig(tfds.core.BuilderConfig):
+  """Builder config of :class:`ArithBuilder`; make one with :meth:`create`.
+
+  Attributes:
+    spec: the JSON description of an :class:`ArithSpec`.
+  """
+
+  spec: tuple[tuple[str, Any], ...] = ()
+
+  @classmethod
+  def create(cls, spec: ArithSpec) -> ArithSourceConfig:
+    """Makes the config for ``spec``; its name hashes the spec."""
+    if spec.num_rows <= 0:
+      raise ValueError(f"num_rows must be positive, got {spec.num_rows}")
+    data = spec.to_json()
+    return cls(
+      name=_config_name({"builder": ArithBuilder.name, "spec": data}),
+      spec=tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(data.items())),
+    )
+
+
+class ArithBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """Rows of :class:`~mimo_jax.tasks.arith.ArithTask`: ``prompt``, ``answer``, ``task``, ``uid`` and ``level``."""
+
+  name = "mimo_arith"
+  VERSION = _VERSION
+
+  def _spec(self) -> ArithSpec:
+    return ArithSpec(**dict(self.builder_config.spec))
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return tfds.core.DatasetInfo(
+      builder=self,
+      description="Synthetic multi-digit addition problems (mimo_jax.tasks.arith).",
+      features=tfds.features.FeaturesDict(
+        {
+          "prompt": tfds.features.Text(),
+          "answer": tfds.features.Text(),
+          "task": tfds.features.Text(),
+          "uid": tfds.features.Text(),
+          "level": tfds.features.Scalar(dtype=np.int64),
+        }
+      ),
+      disable_shuffling=True,
+      metadata=tfds.core.MetadataDict(),
+    )
+
+  def _split_generators(self, dl_manager: Any) -> dict[str, Iterator[tuple[int, dict[str, Any]]]]:
+    del dl_manager
+    spec = self._spec()
+    task = ArithTask(spec.levels, seed=spec.seed, heldout_size=spec.heldout_size, reverse_answer=spec.reverse_answer)
+    rng = np.random.default_rng([_ARITH_TAG, spec.seed])
+    train: list[Any] = []
+    seen: set[str] = set()
+    for _ in range(_ARITH_MAX_ROUNDS):
+      for problem in task.sample(rng, spec.num_rows - len(train)):
+        if problem.uid not in seen:
+          seen.add(problem.uid)
+          train.append(problem)
+      if len(train) == spec.num_rows:
+        break
+    else:
+      raise ValueError(f"could not generate {spec.num_rows} distinct arith problems for levels {spec.levels}")
+    splits = {"train": train}
+    if spec.heldout_size > 0:
+      splits["test"] = task.heldout()
+    self.info.metadata["spec"] = spec.to_json()
+    self.info.metadata["splits"] = {
+      split: {"num_rows": len(rows), "num_malformed": 0, "first_malformed": None} for split, rows in splits.items()
+    }
+    return {split: self._generate_examples(rows) for split, rows in splits.items()}
+
+  def _generate_examples(self, problems: list[Any]) -> Iterator[tuple[int, dict[str, Any]]]:  # type: ignore[override]
+    for i, p in enumerate(problems):
+      yield i, {"prompt": p.prompt, "answer": p.answer, "task": p.task, "uid": p.uid, "level": p.level}
+
+
+# ---- loading ----------------------------------------------------------------------------
+
+_BUILDERS: dict[str, type[tfds.core.GeneratorBasedBuilder]] = {
+  "gsm8k": Gsm8kBuilder,
+  "humaneval": HumanEvalBuilder,
+  "jsonl": JsonlPromptsBuilder,
+  "arith": ArithBuilder,
+}
+
+
+def default_path(kind: str, split: str) -> str:
+  """The file a ``kind`` reads for ``split`` when no path is given (the shipped samples).
+
+  Args:
+    kind: ``"gsm8k"`` or ``"humaneval"``.
+    split: ``"train"`` or ``"test"``.
+
+  Returns:
+    The path (it may not exist, e.g. before the HumanEval sample is shipped).
+
+  Raises:
+    ValueError: for another kind or split.
+  """
+  if split not in ("train", "test"):
+    raise ValueError(f"{kind} has default files only for splits 'train' and 'test', got {split!r}")
+  if kind == "gsm8k":
+    return GSM8K_TRAIN_PATH if split == "train" else GSM8K_TEST_PATH
+  if kind == "humaneval":
+    return os.path.join(_HUMANEVAL_DIR, f"{split}_sample.jsonl")
+  raise ValueError(f"{kind!r} sources have no default file; pass a path")
+
+
+def prepare_builder(
+  kind: str,
+  data_dir: str | os.PathLike[str],
+  *,
+  split_files: Mapping[str, str | os.PathLike[str]] | None = None,
+  field_map: Mapping[str, str] | None = None,
+  arith: ArithSpec | None = None,
+) -> tfds.core.GeneratorBasedBuilder:
+  """Returns a prepared builder of ``kind`` in ``data_dir``, building it unless its cache exists.
+
+  Args:
+    kind: one of :data:`KINDS`.
+    data_dir: the TFDS data directory (created if needed).
+    split_files: split to file, for the JSONL kinds; gsm8k and humaneval default to both
+      shipped samples.  Must be None for ``"arith"``.
+    field_map: feature to JSON key, only for ``"jsonl"`` (default ``{"prompt": "prompt",
+      "answer": "answer"}``).
+    arith: the arithmetic source, only for ``"arith"`` (default :class:`ArithSpec()`).
+
+  Returns:
+    The builder; read it with ``builder.as_data_source(split)`` or :class:`PromptSource`.
+
+  Raises:
+    ValueError: on an unknown kind, arguments that do not belong to it, or a split
+      without usable rows.
+    FileNotFoundError: if a source file is missing.
+  """
+  if kind not in _BUILDERS:
+    raise ValueError(f"unknown source kind {kind!r}; known kinds are {list(KINDS)}")
+  if field_map is not None and kind != "jsonl":
+    raise ValueError(f"field_map applies only to 'jsonl' sources, not {kind!r}")
+  if arith is not None and kind != "arith":
+    raise ValueError(f"arith applies only to 'arith' sources, not {kind!r}")
+  cls = _BUILDERS[kind]
+  if kind == "arith":
+    if split_files is not None:
+      raise ValueError("'arith' sources are generated, not read from files")
+    config: tfds.core.BuilderConfig = ArithSourceConfig.create(arith if arith is not None else ArithSpec())
+  else:
+    if split_files is None:
+      if kind == "jsonl":
+        raise ValueError("'jsonl' sources need split_files")
+      split_files = {split: default_path(kind, split) for split in ("train", "test")}
+    if kind == "jsonl" and field_map is None:
+      field_map = DEFAULT_FIELD_MAP
+    config = JsonlSourceConfig.create(cls.name, split_files, field_map if kind == "jsonl" else None)
+  builder = cls(data_dir=os.fspath(data_dir), config=config, file_format="array_record")
+  builder.download_and_prepare(
+    file_format="array_record",
+    download_config=tfds.download.DownloadConfig(
+      try_download_gcs=False, compute_stats=tfds.download.ComputeStatsMode.SKIP
+    ),
+  )
+  return builder
+
+
+class PromptSource:
+  """Random access to one split of a prepared source, decoded to Python values.
+
+  Text features are returned as ``str`` and integer features as ``int``.
+
+  Args:
+    builder: a prepared builder (see :func:`prepare_builder`).
+    split: the split to read.
+    name: the source's name (default ``"<builder>:<split>"``).
+
+  Attributes:
+    name: the source's name, e.g. ``"gsm8k:train"``.
+    split: the split.
+    num_malformed: rows of the source file that were skipped as malformed.
+    first_malformed: ``{"line", "reason", "text"}`` of the first skipped row, or None.
+    path: the source file (None for generated sources).
+    features: the feature names of every row.
+  """
+
+  def __init__(self, builder: tfds.core.DatasetBuilder, split: str, *, name: str | None = None) -> None:
+    meta = dict(builder.info.metadata or {}).get("splits", {})
+    if split not in meta or split not in builder.info.splits:
+      raise ValueError(f"{builder.name} has no split {split!r}; it has {sorted(builder.info.splits)}")
+    self._builder = builder
+    self._source = builder.as_data_source(split=split)
+    self.split = split
+    self.name = name or f"{builder.name}:{split}"
+    split_meta = meta[split]
+    self.num_malformed: int = int(split_meta.get("num_malformed", 0))
+    self.first_malformed: dict[str, Any] | None = split_meta.get("first_malformed")
+    self.path: str | None = split_meta.get("path")
+    self.features: tuple[str, ...] = tuple(builder.info.features.keys())
+    if self.num_malformed:
+      _logger.warning(
+        "%s: %d malformed row(s) of %s were skipped; first: %s",
+        self.name,
+        self.num_malformed,
+        self.path,
+        self.first_malformed,
+      )
+
+  @property
+  def builder(self) -> tfds.core.DatasetBuilder:
+    """The underlying TFDS builder."""
+    return self._builder
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index: int) -> dict[str, Any]:
+    i = operator.index(index)
+    n = len(self._source)
+    if i < 0:
+      i += n
+    if not 0 <= i < n:
+      raise IndexError(f"index {index} out of range for {self.name} with {n} rows")
+    return _decode(self._source[i])
+
+  def __iter__(self) -> Iterator[dict[str, Any]]:
+    for i in range(len(self)):
+      yield self[i]
+
+  def __repr__(self) -> str:
+    return f"PromptSource({self.name!r}, rows={len(self)}, malformed={self.num_malformed})"
+
+
+def _decode(record: Mapping[str, Any]) -> dict[str, Any]:
+  out: dict[str, Any] = {}
+  for key, value in record.items():
+    if isinstance(value, bytes):
+      out[key] = value.decode("utf-8")
+    elif isinstance(value, np.generic):
+      out[key] = value.item()
+    else:
+      out[key] = value
+  return out
+
+
+def load_prompt_source(
+  kind: str,
+  path: str | os.PathLike[str] | None,
+  data_dir: str | os.PathLike[str],
+  *,
+  split: str,
+  field_map: Mapping[str, str] | None = None,
+  arith: ArithSpec | None = None,
+) -> PromptSource:
+  """Builds (or reuses) one split of a source in ``data_dir`` and opens it for random access.
+
+  Args:
+    kind: ``"gsm8k"``, ``"humaneval"``, ``"jsonl"`` or ``"arith"``.
+    path: the JSONL file of this split; None means the shipped sample for gsm8k and
+      humaneval (see :func:`default_path`); required for ``"jsonl"``; must be None for
+      ``"arith"``.
+    data_dir: the TFDS data directory (the cache).
+    split: the split name (``"train"``/``"test"`` for defaults and for ``"arith"``; any
+      name for an explicit path).
+    field_map: feature to JSON key, for ``"jsonl"`` only.
+    arith: the arithmetic source, for ``"arith"`` only.
+
+  Returns:
+    The opened split.
+
+  Raises:
+    ValueError: on bad arguments or a file without usable rows (the message names it).
+    FileNotFoundError: if the file does not exist.
+  """
+  if kind not in _BUILDERS:
+    raise ValueError(f"unknown source kind {kind!r}; known kinds are {list(KINDS)}")
+  if kind == "arith":
+    if path is not None:
+      raise ValueError("'arith' sources are generated; path must be None")
+    builder = prepare_builder(kind, data_dir, arith=arith)
+  else:
+    if path is None:
+      if kind == "jsonl":
+        raise ValueError("'jsonl' sources need a path")
+      path = default_path(kind, split)
+    builder = prepare_builder(kind, data_dir, split_files={split: path}, field_map=field_map, arith=arith)
+  return PromptSource(builder, split, name=f"{kind}:{split}")
+
+
+# ---- shuffled index stream --------------------------------------------------------------
+
+_STREAM_TAG = 0x53545245  # "STRE"
+
+
+class PromptStream:
+  """An endless, reproducible stream of indices into a dataset of ``size`` rows.
+
+  Epoch ``e`` visits every index once, in the order ``permutation(e)``, a numpy
+  permutation seeded by ``(tag, seed, e)`` alone, so any epoch can be recomputed without
+  replaying the ones before it, and :meth:`index_at` gives random access to the whole
+  stream.  The position (``epoch``, ``position`` within it) is the only state; restoring
+  it with :meth:`load_state_dict` makes the stream continue exactly where it was.
+
+  Args:
+    size: number of rows (positive).
+    seed: non-negative seed.
+    shuffle: False visits ``0..size-1`` in order every epoch.
+  """
+
+  def __init__(self, size: int, seed: int = 0, *, shuffle: bool = True) -> None:
+    size, seed = operator.index(size), operator.index(seed)
+    if size <= 0:
+      raise ValueError(f"size must be positive, got {size}")
+    if seed < 0:
+      raise ValueError(f"seed must be non-negative, got {seed}")
+    self.size = size
+    self.seed = seed
+    self.shuffle = bool(shuffle)
+    self.epoch = 0
+    self.position = 0
+    self._cached: tuple[int, np.ndarray] | None = None
+
+  def permutation(self, epoch: int) -> np.ndarray:
+    """The visiting order of ``epoch`` (a permutation of ``range(size)``)."""
+    epoch = operator.index(epoch)
+    if epoch < 0:
+      raise ValueError(f"epoch must be non-negative, got {epoch}")
+    if self._cached is None or self._cached[0] != epoch:
+      if self.shuffle:
+        order = np.random.default_rng([_STREAM_TAG, self.seed, epoch]).permutation(self.size)
+      else:
+        order = np.arange(self.size)
+      self._cached = (epoch, order)
+    return self._cached[1]
+
+  def index_at(self, step: int) -> int:
+    """The index the stream yields at absolute step ``step`` (``epoch * size + position``)."""
+    epoch, position = divmod(operator.index(step), self.size)
+    return int(self.permutation(epoch)[position])
+
+  @property
+  def step(self) -> int:
+    """Indices drawn so far, over all epochs."""
+    return self.epoch * self.size + self.position
+
+  def next(self, n: int) -> list[int]:
+    """Draws the next ``n`` indices, crossing epoch boundaries as needed.
+
+    Args:
+      n: how many (non-negative).
+
+    Returns:
+      The indices, in stream order.
+    """
+    n = operator.index(n)
+    if n < 0:
+      raise ValueError(f"n must be non-negative, got {n}")
+    out: list[int] = []
+    while len(out) < n:
+      take = min(n - len(out), self.size - self.position)
+      out.extend(self.permutation(self.epoch)[self.position : self.position + take].tolist())
+      self.position += take
+      if self.position == self.size:
+        self.epoch += 1
+        self.position = 0
+    return out
+
+  def state_dict(self) -> dict[str, int]:
+    """The JSON-able position: ``{"epoch", "position", "seed", "size"}``."""
+    return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": self.size}
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    """Restores a position saved by :meth:`state_dict` (the seed too).
+
+    Raises:
+      ValueError: if the state is for a dataset of a different size, or out of range.
+    """
+    size = operator.index(state.get("size", self.size))
+    if size != self.size:
+      raise ValueError(f"state is for a dataset of {size} rows, this stream has {self.size}")
+    epoch, position, seed = (operator.index(state[k]) for k in ("epoch", "position", "seed"))
+    if epoch < 0 or not 0 <= position < self.size or seed < 0:
+      raise ValueError(f"invalid stream state {dict(state)}")
+    self.epoch, self.position = epoch, position
+    if seed != self.seed:
+      self.seed = seed
+      self._cached = None

@@ -1,0 +1,356 @@
+"""Held-out evaluation: evaluate_policy against scripted completions, and the
+``python -m mimo_jax.eval`` command line on a real (tiny) run directory."""
+
+import collections
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from mimo_jax.config import Config
+from mimo_jax.config_base import ConfigError
+from mimo_jax.eval import (
+  config_from_dict,
+  default_answer_fn,
+  default_ks,
+  evaluate_policy,
+  samples_per_call,
+)
+from mimo_jax.eval.__main__ import main as eval_main
+from mimo_jax.main import main as train_main
+from mimo_jax.rollout import SamplingParams
+from mimo_jax.tasks.arith import ArithTask, build_tokenizer
+from mimo_jax.testing import FakeRollout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# ----------------------------------------------------------------------------
+# evaluate_policy with scripted completions
+# ----------------------------------------------------------------------------
+
+
+class ScriptedSampler:
+  """Greedy calls (temperature 0) and sampled calls answer from separate scripts.
+
+  ``greedy[prompt]`` is the greedy completion text; ``samples[prompt][i]`` is the text of
+  the prompt's i-th sample (counted across calls, so splitting the samples over several
+  calls does not change which text each sample gets).  Every call is recorded.
+  """
+
+  def __init__(self, tokenizer, greedy, samples, *, batch_shards=1):
+    self.tokenizer = tokenizer
+    self.greedy_script, self.sample_script = greedy, samples
+    self.seen = collections.Counter()
+    self.calls = []
+    self.params = None
+    self.batch_shards = batch_shards
+    self._greedy = FakeRollout(lambda ids, g: self._ids(self.greedy_script.get(self._prompt(ids))))
+    self._sampled = FakeRollout(self._sample)
+
+  def _prompt(self, ids):
+    return self.tokenizer.decode(list(ids))
+
+  def _ids(self, text):
+    return self.tokenizer.encode(text, add_eos=True) if text is not None else [self.tokenizer.eos_id]
+
+  def _sample(self, ids, g):
+    prompt = self._prompt(ids)
+    if prompt not in self.sample_script:  # a filler row
+      return [self.tokenizer.eos_id]
+    i = self.seen[prompt]
+    self.seen[prompt] += 1
+    return self._ids(self.sample_script[prompt][i])
+
+  def update_params(self, params):
+    self.params = params
+
+  def generate(self, tokens, mask, *, num_samples, temperature, key, **kwargs):
+    self.calls.append(
+      {
+        "rows": tokens.shape[0],
+        "num_samples": num_samples,
+        "temperature": float(temperature),
+        "key": tuple(np.asarray(jax.random.key_data(key)).tolist()),
+      }
+    )
+    rollout = self._greedy if temperature == 0 else self._sampled
+    return rollout.generate(tokens, mask, num_samples=num_samples, temperature=temperature, key=key, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def arith():
+  task = ArithTask(levels=(1,), seed=1234, heldout_size=5)
+  return task, build_tokenizer(task), task.heldout()
+
+
+def _script(problems):
+  """Per problem: the greedy text and six sample texts (A = gold, W1/W2 = wrong, "" = no answer)."""
+  greedy, samples, correct = {}, {}, []
+  layouts = [
+    ("A", ["A", "A", "A", "A", "A", "A"]),  # c=6
+    ("W1", ["W1", "A", "W1", "A", "A", "W2"]),  # c=3
+    ("A", ["W1", "W1", "W1", "W1", "W1", "W1"]),  # c=0
+    ("", ["", "A", "", "W1", "W1", "A"]),  # c=2
+    ("A", ["A", "W1", "W2", "W2", "W2", "W1"]),  # c=1
+  ]
+  for p, (g, row) in zip(problems, layouts, strict=True):
+    texts = {"A": p.answer, "W1": str(int(p.answer) + 1), "W2": str(int(p.answer) + 2), "": ""}
+    greedy[p.prompt] = texts[g]
+    samples[p.prompt] = [texts[s] for s in row]
+    correct.append([s == "A" for s in row])
+  return greedy, samples, correct
+
+
+def _evaluate(sampler, task, tokenizer, problems, **overrides):
+  kwargs = dict(
+    buckets=(16,),
+    rows=4,
+    max_new_tokens=6,
+    sampling=SamplingParams(stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id),
+    num_samples=6,
+    ks=(1, 2, 4, 6),
+    temperature=0.7,
+    key=jax.random.key(0),
+  )
+  kwargs.update(overrides)
+  return evaluate_policy(sampler, "PARAMS", task, tokenizer, problems, **kwargs)
+
+
+def _brute_pass_at_k(correct, k):
+  """The fraction of k-subsets of the samples holding at least one correct sample."""
+  subsets = list(itertools.combinations(range(len(correct)), k))
+  return sum(any(correct[i] for i in s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("max_batch_rows", [None, 8])
+def test_evaluate_policy_matches_hand_counted_metrics(arith, max_batch_rows):
+  task, tokenizer, problems = arith
+  greedy, samples, correct = _script(problems)
+  sampler = ScriptedSampler(tokenizer, greedy, samples)
+  out = _evaluate(sampler, task, tokenizer, problems, max_batch_rows=max_batch_rows)
+
+  assert sampler.params == "PARAMS"
+  assert out["num_problems"] == 5
+  assert out["greedy_accuracy"] == pytest.approx(3 / 5)  # problems 0, 2, 4
+  assert out["pass@1"] == pytest.approx((6 + 3 + 0 + 2 + 1) / 30)
+  assert out["pass@6"] == pytest.approx(4 / 5)
+  for k in (1, 2, 4, 6):
+    expected = np.mean([_brute_pass_at_k(c, k) for c in correct])
+    assert out[f"pass@{k}"] == pytest.approx(expected), k
+  # Majority votes, counted by hand (ties go to the answer seen first; "" is no answer).
+  assert out["maj@1"] == pytest.approx(2 / 5)
+  assert out["maj@2"] == pytest.approx(3 / 5)
+  assert out["maj@4"] == pytest.approx(2 / 5)
+  assert out["maj@6"] == pytest.approx(3 / 5)
+  assert not [k for k in out if "/" in k]  # one task: no per-task keys
+
+  # Static shapes: every call has 4 prompt rows (the second chunk is padded); with
+  # max_batch_rows=8 the six samples come two at a time; every call has its own key.
+  greedy_calls = [c for c in sampler.calls if c["temperature"] == 0]
+  sample_calls = [c for c in sampler.calls if c["temperature"] != 0]
+  per_call = 6 if max_batch_rows is None else 2
+  assert [(c["rows"], c["num_samples"]) for c in greedy_calls] == [(4, 1)] * 2
+  assert [(c["rows"], c["num_samples"]) for c in sample_calls] == [(4, per_call)] * (2 * 6 // per_call)
+  assert all(c["temperature"] == pytest.approx(0.7) for c in sample_calls)
+  assert len({c["key"] for c in sampler.calls}) == len(sampler.calls)
+
+
+def test_evaluate_policy_reports_each_task_and_maj_only_with_an_extractor(arith):
+  task, tokenizer, problems = arith
+  greedy, samples, _ = _script(problems)
+  # Problems 3 and 4 belong to a task without a notion of a final answer.
+  mixed = problems[:3] + [dataclasses.replace(p, task="codegen") for p in problems[3:]]
+  out = _evaluate(ScriptedSampler(tokenizer, greedy, samples), task, tokenizer, mixed)
+  assert out["greedy_accuracy"] == pytest.approx(3 / 5)
+  assert out["arith/greedy_accuracy"] == pytest.approx(2 / 3)
+  assert out["codegen/greedy_accuracy"] == pytest.approx(1 / 2)
+  assert out["arith/pass@6"] == pytest.approx(2 / 3) and out["codegen/pass@6"] == 1.0
+  assert out["arith/pass@1"] == pytest.approx((6 + 3 + 0) / 18)
+  assert out["arith/maj@6"] == pytest.approx(2 / 3) and out["arith/maj@1"] == pytest.approx(1 / 3)
+  assert out["arith/num_problems"] == 3 and out["codegen/num_problems"] == 2
+  assert not [k for k in out if k.startswith("maj@") or k.startswith("codegen/maj@")]
+
+  # An explicit extractor applies to every task: one constant answer makes every vote
+  # follow the first sample (correct for problems 0 and 4).
+  out = _evaluate(ScriptedSampler(tokenizer, greedy, samples), task, tokenizer, mixed, answer_fn=lambda p, t: "x")
+  assert [out[f"maj@{k}"] for k in (1, 2, 4, 6)] == pytest.approx([2 / 5] * 4)
+  assert out["codegen/maj@6"] == pytest.approx(1 / 2)
+
+
+def test_evaluate_policy_checks_its_arguments(arith):
+  task, tokenizer, problems = arith
+  greedy, samples, _ = _script(problems)
+  with pytest.raises(ValueError, match="outside 1..num_samples=6"):
+    _evaluate(ScriptedSampler(tokenizer, greedy, samples), task, tokenizer, problems, ks=(1, 8))
+  with pytest.raises(ValueError, match="multiple of the sampler's batch shards"):
+    _evaluate(ScriptedSampler(tokenizer, greedy, samples, batch_shards=3), task, tokenizer, problems)
+
+
+def test_samples_per_call_and_default_ks():
+  assert samples_per_call(64, 16, None) == 64
+  assert samples_per_call(64, 16, 256) == 16
+  assert samples_per_call(6, 4, 8) == 2
+  assert samples_per_call(7, 4, 8) == 1  # 7 is prime: one sample per call
+  assert samples_per_call(6, 4, 3) == 1  # even one sample per prompt is over the limit
+  assert default_ks(64) == (1, 8, 64)
+  assert default_ks(8) == (1, 8)
+  assert default_ks(1) == (1,)
+
+
+def test_default_answer_extractors():
+  arith = default_answer_fn("arith")
+  assert arith(None, " 42 ") == "42" and arith(None, "  ") is None
+  gsm8k = default_answer_fn("gsm8k")
+  # Differently written numbers vote together; a completion without an answer has none.
+  assert gsm8k(None, "so 1000 + 200\n#### 1,200") == gsm8k(None, "The answer is 1200.") is not None
+  assert gsm8k(None, "#### 7") != gsm8k(None, "#### 8")
+  assert gsm8k(None, "no idea") is None
+  assert default_answer_fn("humaneval") is None
+
+
+def test_config_from_dict_round_trips_and_names_bad_fields():
+  cfg = Config()
+  assert config_from_dict(json.loads(cfg.to_json())) == cfg
+  d = cfg.to_dict()
+  d["run"]["bogus"] = 1
+  del d["data"]["task"]
+  del d["logging"]
+  with pytest.raises(ConfigError) as e:
+    config_from_dict(d)
+  assert "unknown fields: run.bogus" in str(e.value)
+  assert "missing fields: logging" in str(e.value) and "data.task" in str(e.value)
+  d = cfg.to_dict()
+  d["run"]["max_steps"] = "ten"
+  with pytest.raises(ConfigError, match=r"run\.max_steps='ten' \(expected int\)"):
+    config_from_dict(d)
+
+
+# ----------------------------------------------------------------------------
+# The command line on a tiny trained run
+# ----------------------------------------------------------------------------
+
+TRAIN = [
+  f"--flagfile={os.path.join(ROOT, 'experiments', 'grpo_tiny.flags')}",
+  # tests/test_train.py's FAST set, two RL steps
+  "--model_preset=tiny",
+  "--sft_steps=6",
+  "--sft_batch_size=16",
+  "--max_steps=2",
+  "--prompts_per_step=8",
+  "--num_samples=4",
+  "--eval_prompts=16",
+  "--eval_samples=2",
+  "--eval_every=2",
+  "--checkpoint_every=2",
+  "--max_new_tokens=6",
+  "--tensorboard=false",
+]
+
+
+def _hashed_reward(self, problem, completion_text):
+  """A verifier a random policy passes about half the time, depending on every completion.
+
+  A tiny model trained for seconds gets exact arithmetic right 0% of the time, which
+  would make "same greedy accuracy" hold for any parameters; with this reward the
+  accuracy is informative and any changed completion flips its verdict half the time.
+  """
+  del self
+  digest = hashlib.sha1(f"{problem.prompt}|{completion_text.strip()}".encode()).digest()
+  return float(digest[0] % 2)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+  run_dir = tmp_path_factory.mktemp("eval") / "run"
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(ArithTask, "reward", _hashed_reward)
+    assert train_main(["prog", *TRAIN, f"--run_dir={run_dir}"]) == 0
+  metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+  evals = {r["step"]: r for r in metrics if "eval/greedy_accuracy" in r}
+  return run_dir, evals
+
+
+def _cli(capsys, *argv):
+  rc = eval_main(["prog", *argv])
+  captured = capsys.readouterr()
+  lines = [line for line in captured.out.splitlines() if line.startswith("{")]
+  return rc, (json.loads(lines[-1]) if rc == 0 else None), captured.err
+
+
+def test_cli_reproduces_the_runs_greedy_accuracy(trained_run, tmp_path, capsys, monkeypatch):
+  monkeypatch.setattr(ArithTask, "reward", _hashed_reward)
+  run_dir, evals = trained_run
+  steps = sorted(int(n) for n in os.listdir(run_dir / "checkpoints") if n.isdigit())
+  assert steps == [6, 7, 9]  # SFT 6; RL step 0 at 7 and the final RL step 2 at 9
+
+  # The run directory: its latest checkpoint, with the run's own evaluation settings.
+  out_path = tmp_path / "out" / "eval.json"
+  rc, res, err = _cli(capsys, f"--checkpoint={run_dir}", "--eval_prompts=16", f"--output={out_path}")
+  assert rc == 0, err
+  assert (res["checkpoint_step"], res["phase"], res["step"]) == (9, "rl", 2)
+  assert res["num_problems"] == 16 and res["eval_samples"] == 2 and res["ks"] == [1, 2]
+  assert json.loads(out_path.read_text()) == res
+  final = evals[3]["eval/greedy_accuracy"]  # logged at step max_steps + 1
+  assert 0 < final < 1  # informative (see _hashed_reward)
+  assert res["greedy_accuracy"] == final
+  for key in ("greedy_accuracy", "pass@1", "pass@2", "maj@1", "maj@2"):
+    assert 0 <= res[key] <= 1, key
+  assert res["pass@2"] >= res["pass@1"]
+
+  # A specific checkpoint: the end of SFT, which the run evaluated as its warm start.
+  rc, res, err = _cli(
+    capsys,
+    f"--checkpoint={run_dir / 'checkpoints' / '6'}",
+    "--eval_samples=4",
+    "--ks=1,2,4",
+    "--max_batch_rows=32",
+    "--eval_temperature=1.5",
+  )
+  assert rc == 0, err
+  assert (res["checkpoint_step"], res["phase"], res["step"]) == (6, "sft", 6)
+  assert res["greedy_accuracy"] == evals[0]["eval/greedy_accuracy"]
+  assert res["eval_temperature"] == 1.5 and res["num_problems"] == 16
+  for k in (1, 2, 4):
+    assert 0 <= res[f"maj@{k}"] <= 1 and 0 <= res[f"pass@{k}"] <= 1
+  assert res["pass@1"] <= res["pass@2"] <= res["pass@4"]
+  assert not [k for k in res if "/" in k]
+
+
+def test_cli_refuses_missing_checkpoints_and_bad_flags(trained_run, tmp_path, capsys):
+  run_dir, _ = trained_run
+  rc, _, err = _cli(capsys, f"--checkpoint={tmp_path / 'nowhere'}")
+  assert rc == 2 and "no such directory" in err
+  rc, _, err = _cli(capsys, f"--checkpoint={run_dir / 'checkpoints' / '8'}")
+  assert rc == 2 and "no such checkpoint directory" in err and "[6, 7, 9]" in err
+  rc, _, err = _cli(capsys, f"--checkpoint={run_dir}", "--eval_samples=4", "--ks=1,8")
+  assert rc == 2 and "--ks=1,8" in err and "1..eval_samples=4" in err
+  rc, _, err = _cli(capsys, f"--checkpoint={run_dir}", "--eval_samples=many")
+  assert rc == 2 and "eval_samples" in err
+  rc, _, err = _cli(capsys)
+  assert rc == 2 and "--checkpoint is required" in err
+
+  # A run directory whose config.json this version cannot read.
+  odd = tmp_path / "odd"
+  (odd / "checkpoints" / "1").mkdir(parents=True)
+  config = json.loads((run_dir / "config.json").read_text())
+  config["run"]["not_a_field"] = 3
+  (odd / "config.json").write_text(json.dumps(config))
+  rc, _, err = _cli(capsys, f"--checkpoint={odd}")
+  assert rc == 2 and "unknown fields: run.not_a_field" in err
+
+
+def test_cli_refuses_a_corrupted_checkpoint(trained_run, tmp_path, capsys):
+  run_dir, _ = trained_run
+  copy = tmp_path / "run"
+  shutil.copytree(run_dir, copy)
+  state = copy / "checkpoints" / "9" / "state"
+  victim = max((p for p in state.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+  rc, _, err = _cli(capsys, f"--checkpoint={copy / 'checkpoints' / '9'}")
+  assert rc == 2 and "corrupted" in err and "checkpoint 9" in err

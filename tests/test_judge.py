@@ -1,0 +1,243 @@
+"""Model as judge: strict parsing, averaging and rescaling, position-debiased pairwise
+verdicts, invalid-output accounting, and a real tiny model behind ``sampler_generate_fn``."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from mimo_jax.models import Transformer
+from mimo_jax.models.config import tiny
+from mimo_jax.rewards.base import RewardSample
+from mimo_jax.rewards.judge import (
+  JudgeReward,
+  PairwiseJudge,
+  parse_score,
+  parse_verdict,
+  sampler_generate_fn,
+)
+from mimo_jax.rollout import Sampler
+from mimo_jax.tasks.arith import ArithTask, build_tokenizer
+
+PAIR_TEMPLATE = "Q: {question}\nFirst: {answer_a}\nSecond: {answer_b}\n"
+
+
+class Scripted:
+  """A ``generate_fn`` that answers each prompt with ``respond(prompt, sample_index)`` and records calls."""
+
+  def __init__(self, respond):
+    self.respond = respond
+    self.calls = []
+
+  def __call__(self, prompts, num_samples):
+    self.calls.append((list(prompts), num_samples))
+    return [[self.respond(p, j) for j in range(num_samples)] for p in prompts]
+
+
+# ----------------------------------------------------------------------------
+# Strict parsing
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "text, expected",
+  [
+    ("Score: 7", 7.0),
+    ("The answer is right.\nScore: 7.5\n", 7.5),
+    ("  Score:10  ", 10.0),
+    ("Score: 0", 0.0),
+    ("Reasoning first.\n\nScore: 3\nThanks!", 3.0),
+    ("", None),
+    ("This answer deserves a seven.", None),
+    ("Score: 7\nScore: 8", None),  # two scores
+    ("Score: 7\nscore: 7", None),  # a second mention, any case
+    ("Score: 11", None),  # out of range
+    ("Score: -1", None),
+    ("Score: 7/10", None),  # trailing garbage
+    ("Score: 7 points", None),
+    ("Score: 7.", None),
+    ("Score: seven", None),
+    ("Score:", None),
+    ("score: 7", None),  # the label is case-sensitive
+    ("My Score: 7", None),  # text before the label
+    ("**Score: 7**", None),
+  ],
+)
+def test_parse_score_is_strict(text, expected):
+  assert parse_score(text, 0, 10) == expected
+
+
+def test_parse_score_custom_range():
+  assert parse_score("Score: 4", 1, 5) == 4.0
+  assert parse_score("Score: 0.5", 1, 5) is None
+  assert parse_score("Score: 5.0", 1, 5) == 5.0
+
+
+@pytest.mark.parametrize(
+  "text, expected",
+  [
+    ("Verdict: A", "A"),
+    ("B is clearer.\nVerdict: B\n", "B"),
+    ("Verdict:A", "A"),
+    ("Verdict: C", None),
+    ("Verdict: a", None),
+    ("Verdict: A\nVerdict: B", None),
+    ("Verdict: A or B", None),
+    ("Final verdict: A", None),
+    ("A", None),
+  ],
+)
+def test_parse_verdict_is_strict(text, expected):
+  assert parse_verdict(text) == expected
+
+
+def test_templates_are_validated_at_construction():
+  gen = Scripted(lambda p, j: "Score: 5")
+  JudgeReward(gen, template="{question} -> {answer}")
+  for bad in ("{question}", "{question} {answer} {extra}", "{question} {answer} {}", "{question {answer}"):
+    with pytest.raises(ValueError, match="template"):
+      JudgeReward(gen, template=bad)
+  PairwiseJudge(gen, template=PAIR_TEMPLATE)
+  with pytest.raises(ValueError, match="answer_b"):
+    PairwiseJudge(gen, template="{question} {answer_a}")
+  with pytest.raises(ValueError):
+    JudgeReward(gen, template="{question} {answer}", min_score=5, max_score=5)
+
+
+# ----------------------------------------------------------------------------
+# Pointwise judge
+# ----------------------------------------------------------------------------
+
+
+def test_pointwise_averages_valid_scores_and_rescales():
+  outputs = {
+    "good": ["Score: 10", "Score: 5", "no score here", "Score: 2.5"],
+    "bad": ["Score: 12", "garbage", "Score: 1\nScore: 2", "Score: 3 because"],
+    "ok": ["Score: 6"] * 4,
+  }
+
+  def respond(prompt, j):
+    answer = re.search(r"A=(\w+)", prompt).group(1)
+    return outputs[answer][j]
+
+  gen = Scripted(respond)
+  judge = JudgeReward(gen, template="Q={question} A={answer}", num_samples=4)
+  samples = [RewardSample("2+2=", a) for a in ("good", "bad", "ok")]
+  rewards = judge(samples)
+  # good: valid 10, 5, 2.5 -> (1 + 0.5 + 0.25) / 3; bad: nothing valid -> 0; ok: 0.6.
+  np.testing.assert_allclose(rewards, [1.75 / 3, 0.0, 0.6], atol=1e-9)
+  assert gen.calls == [(["Q=2+2= A=good", "Q=2+2= A=bad", "Q=2+2= A=ok"], 4)]
+  assert (judge.num_invalid, judge.num_all_invalid, judge.num_outputs, judge.num_scored) == (5, 1, 12, 3)
+  m = judge.last_metrics()
+  assert m["num_invalid"] == 5 and m["num_all_invalid"] == 1
+  np.testing.assert_allclose(m["invalid_fraction"], 5 / 12)
+  np.testing.assert_allclose(m["all_invalid_fraction"], 1 / 3)
+  # Counters accumulate over calls; the metrics are per call.
+  assert judge(samples[2:]) == [pytest.approx(0.6)]
+  assert (judge.num_invalid, judge.num_all_invalid, judge.num_outputs) == (5, 1, 16)
+  assert judge.last_metrics()["num_invalid"] == 0
+  assert judge([]) == []
+
+
+def test_pointwise_custom_range_and_question_field():
+  gen = Scripted(lambda p, j: "Score: 3")
+  judge = JudgeReward(gen, template="{question}|{answer}", num_samples=2, min_score=1, max_score=5, question_field="q")
+  assert judge([RewardSample("long prompt", "x", row={"q": "short"})]) == [0.5]
+  assert gen.calls[-1][0] == ["short|x"]
+  judge([RewardSample("long prompt", "x")])  # no such field: the prompt is the question
+  assert gen.calls[-1][0] == ["long prompt|x"]
+
+
+def test_generate_fn_with_wrong_output_count_is_an_error():
+  judge = JudgeReward(lambda prompts, n: [["Score: 1"]] * len(prompts), template="{question}{answer}", num_samples=2)
+  with pytest.raises(ValueError, match="expected 2"):
+    judge([RewardSample("q", "a")])
+
+
+# ----------------------------------------------------------------------------
+# Pairwise judge
+# ----------------------------------------------------------------------------
+
+
+def _shown(prompt):
+  first = re.search(r"First: (.*)\n", prompt).group(1)
+  second = re.search(r"Second: (.*)\n", prompt).group(1)
+  return first, second
+
+
+def test_swapping_cancels_position_bias():
+  gen = Scripted(lambda p, j: "Both are fine.\nVerdict: A")  # always prefers the first answer shown
+  judge = PairwiseJudge(gen, template=PAIR_TEMPLATE, num_samples=3)
+  assert judge.compare("2+2=", "4", "four") == 0.5
+  ((prompts, n),) = gen.calls
+  assert n == 3 and [_shown(p) for p in prompts] == [("4", "four"), ("four", "4")]
+  assert judge.num_invalid == 0 and judge.num_outputs == 6
+  # Asked in the first order only, the same judge would prefer "4" every time.
+  single_order = np.mean([parse_verdict(o) == "A" for o in gen([prompts[0]], 3)[0]])
+  assert single_order == 1.0
+
+
+def test_judge_that_prefers_the_correct_answer_gives_one_in_both_orders():
+  def respond(prompt, j):
+    first, second = _shown(prompt)
+    return "Verdict: A" if first == "4" else "Verdict: B" if second == "4" else "Verdict: A"
+
+  judge = PairwiseJudge(Scripted(respond), template=PAIR_TEMPLATE, num_samples=2)
+  assert judge.compare("2+2=", "4", "5") == 1.0
+  assert judge.compare("2+2=", "5", "4") == 0.0
+  # The batched reward source compares each completion against row["reference"].
+  samples = [
+    RewardSample("2+2=", "5", row={"reference": "4"}),
+    RewardSample("2+2=", "4", row={"reference": "4"}),  # a tie: the first-shown answer wins each order
+    RewardSample("2+2=", "4", row={"reference": "7"}),
+  ]
+  assert judge(samples) == [0.0, 0.5, 1.0]
+  assert judge.last_metrics()["num_comparisons"] == 3
+  with pytest.raises(KeyError, match="reference"):
+    judge([RewardSample("2+2=", "4")])
+
+
+def test_pairwise_invalid_verdicts_are_counted_and_neutral():
+  def respond(prompt, j):
+    first, _ = _shown(prompt)
+    if first == "a":  # order 0: one valid verdict for "a", one garbage
+      return "Verdict: A" if j == 0 else "I refuse"
+    return "Verdict: maybe"  # order 1: nothing valid
+
+  judge = PairwiseJudge(Scripted(respond), template=PAIR_TEMPLATE, num_samples=2)
+  # Order 0: 1.0 from its valid verdict; order 1: no valid verdict -> 0.5.
+  assert judge.compare("q", "a", "b") == 0.75
+  assert (judge.num_invalid, judge.num_order_invalid, judge.num_outputs) == (3, 1, 4)
+  np.testing.assert_allclose(judge.last_metrics()["invalid_fraction"], 0.75)
+
+
+# ----------------------------------------------------------------------------
+# A real (random) model as the judge
+# ----------------------------------------------------------------------------
+
+
+def test_sampler_generate_fn_with_a_real_tiny_model():
+  task = ArithTask(levels=(1,), seed=0, heldout_size=16)
+  tokenizer = build_tokenizer(task)
+  cfg = tiny().replace(vocab_size=tokenizer.vocab_size, max_seq_len=64)
+  sampler = Sampler(Transformer(cfg, rngs=nnx.Rngs(0)))
+  gen = sampler_generate_fn(
+    sampler, tokenizer, buckets=(16,), max_new_tokens=8, temperature=1.0, key=jax.random.key(0), num_rows=4
+  )
+  outputs = gen(["1+2=", "30+4=", "7+7="], 3)
+  assert len(outputs) == 3 and all(len(o) == 3 and all(isinstance(t, str) for t in o) for o in outputs)
+  key1 = jax.random.key_data(gen.last_key)
+
+  # The judge's outputs are digits and signs: never a score line, so every one is invalid.
+  judge = JudgeReward(gen, template="{question}{answer}", num_samples=3)
+  samples = [RewardSample(p.prompt, p.answer) for p in task.heldout()[:3]]
+  assert judge(samples) == [0.0, 0.0, 0.0]
+  assert (judge.num_invalid, judge.num_all_invalid, judge.num_outputs) == (9, 3, 9)
+  key2 = jax.random.key_data(gen.last_key)
+  assert not np.array_equal(key1, key2) and gen.num_calls == 2
+
+  # The same prompts again sample differently (a fresh key per call).
+  again = gen(["1+2=", "30+4=", "7+7="], 3)
+  assert again != outputs
