@@ -161,7 +161,13 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None) -> dict[str, Any]:
   times = {"update": time.perf_counter() - t}
 
   t = time.perf_counter()
-  score_fn = make_score_fn(graphdef, mesh, use_reference=use_kl, logprob_impl=cfg.algo.logprob_impl)
+  score_fn = make_score_fn(
+    graphdef,
+    mesh,
+    use_reference=use_kl,
+    logprob_impl=cfg.algo.logprob_impl,
+    micro_batches=cfg.algo.num_minibatches * cfg.algo.grad_accum,
+  )
   compiled["score"] = score_fn.lower(abs_params, abs_params if use_kl else None, seqs, batch.temperature).compile()
   times["score"] = time.perf_counter() - t
 

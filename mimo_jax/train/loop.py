@@ -302,7 +302,11 @@ class RLRun:
     self.sft_step_fn = make_sft_step(self.mesh)
     self.use_kl = algo.kl_coef > 0
     self.ref_params = None
-    self.score_fn = make_score_fn(self.graphdef, self.mesh, use_reference=self.use_kl, logprob_impl=algo.logprob_impl)
+    # Score and value passes run over the update's micro-batch row count at a time.
+    score_chunks = algo.num_minibatches * algo.grad_accum
+    self.score_fn = make_score_fn(
+      self.graphdef, self.mesh, use_reference=self.use_kl, logprob_impl=algo.logprob_impl, micro_batches=score_chunks
+    )
     self.ctl_settings = ControllerSettings(
       total_steps=max(cfg.run.max_steps, 1),
       batch_size=cfg.data.prompts_per_step * cfg.rollout.num_samples,
@@ -383,7 +387,7 @@ class RLRun:
       value_model = create_sharded(lambda: ValueModel(self.model_cfg, rngs=nnx.Rngs(0)), self.mesh)
       self.value_graphdef, value_params = nnx.split(value_model)
       self._value_init_params = value_params
-      self.value_fn = make_value_fn(self.value_graphdef, self.mesh)
+      self.value_fn = make_value_fn(self.value_graphdef, self.mesh, micro_batches=score_chunks)
       self.value_update_fn = make_value_update_fn(
         self.mesh,
         ValueSettings(

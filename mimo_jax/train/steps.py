@@ -182,11 +182,26 @@ def make_sft_step(mesh: Mesh | None):
 # ----------------------------------------------------------------------------
 
 
-def make_score_fn(graphdef: Any, mesh: Mesh | None, *, use_reference: bool, logprob_impl: str = "full"):
+def _map_rows(fn, batch: Any, micro_batches: int):
+  """``fn(batch)`` computed over ``micro_batches`` row chunks in sequence (``lax.map``), results re-joined.
+
+  Peak activation memory is that of one chunk: the rollout batch of a large run does not
+  fit one forward pass (``B x (P + M)`` activations and ``[B, M, V]`` logits).
+  """
+  if micro_batches == 1:
+    return fn(batch)
+  out = jax.lax.map(fn, _split_rows(batch, micro_batches))
+  return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), out)
+
+
+def make_score_fn(
+  graphdef: Any, mesh: Mesh | None, *, use_reference: bool, logprob_impl: str = "full", micro_batches: int = 1
+):
   """A jitted ``(params, ref_params, batch, temperature) -> (old_logprobs, ref_logprobs)``.
 
-  Both are teacher-forced at the sampling temperature.  Without a reference the
-  second output is zeros (and no reference forward pass is compiled).
+  Both are teacher-forced at the sampling temperature, over ``micro_batches`` row chunks
+  in sequence (the same rows per forward pass as the update's micro-batches).  Without a
+  reference the second output is zeros (and no reference forward pass is compiled).
   """
 
   def logprobs(model, *args):
@@ -195,14 +210,19 @@ def make_score_fn(graphdef: Any, mesh: Mesh | None, *, use_reference: bool, logp
     return completion_stats(model, *args, impl=logprob_impl)[0]
 
   def score(params, ref_params, batch: SequenceBatch, temperature):
-    args = (batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask, temperature)
-    with _rules(mesh):
-      old = logprobs(nnx.merge(graphdef, params), *args)
-      if use_reference:
-        ref = logprobs(nnx.merge(graphdef, jax.lax.stop_gradient(ref_params)), *args)
-      else:
-        ref = jnp.zeros_like(old)
-    return old, ref
+    def chunk(rows):
+      b, temp = rows
+      args = (b.prompt_tokens, b.prompt_mask, b.completion_tokens, b.completion_mask, temp)
+      with _rules(mesh):
+        old = logprobs(nnx.merge(graphdef, params), *args)
+        if use_reference:
+          ref = logprobs(nnx.merge(graphdef, jax.lax.stop_gradient(ref_params)), *args)
+        else:
+          ref = jnp.zeros_like(old)
+      return old, ref
+
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), batch.prompt_tokens.shape[:1])
+    return _map_rows(chunk, (batch, temperature), micro_batches)
 
   return jax.jit(score)
 
@@ -504,15 +524,16 @@ def completion_values(value_model, prompt_tokens, prompt_mask, completion_tokens
   return jnp.where(completion_mask, values[:, P - 1 : P - 1 + M].astype(jnp.float32), 0.0)
 
 
-def make_value_fn(graphdef: Any, mesh: Mesh | None):
-  """A jitted ``(value_params, SequenceBatch) -> values [B, M]``."""
+def make_value_fn(graphdef: Any, mesh: Mesh | None, *, micro_batches: int = 1):
+  """A jitted ``(value_params, SequenceBatch) -> values [B, M]`` over ``micro_batches`` row chunks."""
 
   def values(params, batch: SequenceBatch):
-    with _rules(mesh):
-      model = nnx.merge(graphdef, params)
-      return completion_values(
-        model, batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask
-      )
+    def chunk(b: SequenceBatch):
+      with _rules(mesh):
+        model = nnx.merge(graphdef, params)
+        return completion_values(model, b.prompt_tokens, b.prompt_mask, b.completion_tokens, b.completion_mask)
+
+    return _map_rows(chunk, batch, micro_batches)
 
   return jax.jit(values)
 
