@@ -43,12 +43,7 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str | None
   """
   ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), async_save=False)
   try:
-    steps = ckpt.all_steps()
-    if not steps:
-      raise FileNotFoundError(f"{run_dir}: no checkpoints")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-      raise FileNotFoundError(f"{run_dir}: no checkpoint {step}; available: {steps}")
+    step = ckpt.resolve_step(step)
     meta = ckpt.read_meta(step)
     cfg = model_config_from_meta(meta)
     graphdef, abs_params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))

@@ -139,6 +139,21 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return sorted(self._mgr.all_steps())
 
+  def resolve_step(self, step: int | None = None) -> int:
+    """``step`` if it is a committed checkpoint, the newest one for None.
+
+    Raises:
+      FileNotFoundError: no checkpoints, or not ``step`` (the message lists those there are).
+    """
+    steps = self.all_steps()
+    if not steps:
+      raise FileNotFoundError(f"{self.directory}: no checkpoints")
+    if step is None:
+      return steps[-1]
+    if step not in steps:
+      raise FileNotFoundError(f"{self.directory}: no checkpoint {step}; available: {steps}")
+    return step
+
   def read_meta(self, step: int) -> dict[str, Any]:
     restored = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     return schema.upgrade(dict(restored.meta))

@@ -1,15 +1,27 @@
 """Evaluation: the unbiased pass@k estimator and held-out evaluation of a policy.
 
-``evaluate_policy`` and friends live in :mod:`mimo_jax.eval.evaluator`, which builds on the
-trainer (``mimo_jax.train.loop``); the trainer imports this package for ``pass_at_k``, so
-they are re-exported lazily to keep that import free of cycles.
+:mod:`mimo_jax.eval.metrics` holds the estimators; :mod:`mimo_jax.eval.evaluator` builds on
+the trainer (it reuses its run construction and prompt encoding) and is what the trainer's
+periodic evaluation and ``python -m mimo_jax.eval`` call.
 """
 
-from typing import Any
-
+from mimo_jax.eval.evaluator import (
+  DEFAULT_ANSWER_FNS,
+  AnswerFn,
+  ProblemResult,
+  config_from_dict,
+  default_answer_fn,
+  default_ks,
+  evaluate_checkpoint,
+  evaluate_policy,
+  load_run_config,
+  resolve_checkpoint,
+  samples_per_call,
+  summarize,
+)
 from mimo_jax.eval.metrics import majority_at_k, pass_at_k
 
-_EVALUATOR = (
+__all__ = [
   "DEFAULT_ANSWER_FNS",
   "AnswerFn",
   "ProblemResult",
@@ -19,17 +31,9 @@ _EVALUATOR = (
   "evaluate_checkpoint",
   "evaluate_policy",
   "load_run_config",
+  "majority_at_k",
+  "pass_at_k",
   "resolve_checkpoint",
   "samples_per_call",
   "summarize",
-)
-
-__all__ = ["majority_at_k", "pass_at_k", *_EVALUATOR]
-
-
-def __getattr__(name: str) -> Any:
-  if name in _EVALUATOR:
-    from mimo_jax.eval import evaluator
-
-    return getattr(evaluator, name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+]

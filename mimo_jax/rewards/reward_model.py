@@ -267,25 +267,6 @@ def _batch_shards(mesh: Mesh | None) -> int:
   return int(np.prod([mesh.shape[a] for a in axes]))
 
 
-def _commit(tree: Any, mesh: Mesh | None) -> Any:
-  """Commits every array of ``tree`` to the devices the jitted step returns it on.
-
-  Fresh scalars (step counters, the PRNG key) start uncommitted on the default device
-  while the step's outputs are laid out on the mesh; without this the second step would
-  see different input shardings and compile again.
-  """
-  if mesh is None:
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.tree.map(lambda x: jax.device_put(x, device), tree)
-  replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-  def one(x):
-    sharding = getattr(x, "sharding", None)
-    return jax.device_put(x, sharding if isinstance(sharding, NamedSharding) else replicated)
-
-  return jax.tree.map(one, tree)
-
-
 def _place(x: np.ndarray, mesh: Mesh | None) -> jax.Array:
   """Puts a host array on the mesh, rows sharded like the ``batch`` logical axis."""
   if mesh is None:
@@ -418,7 +399,7 @@ def train_reward_model(
   if optimizer is None:
     optim = optim or OptimConfig(learning_rate=learning_rate, warmup_steps=max(steps // 10, 0))
     optimizer, _ = make_optimizer(optim, max(steps, 1))
-  state = _commit(TrainState.create(model, optimizer, jax.random.key(seed)), mesh)
+  state = TrainState.create(model, optimizer, jax.random.key(seed))
   del model
 
   # Encode every pair once.
@@ -518,12 +499,7 @@ def load_reward_model(
     raise FileNotFoundError(f"{run_dir}: no reward-model checkpoint ({directory} does not exist)")
   ckpt = Checkpointer(directory, keep_last=1, async_save=False)
   try:
-    steps = ckpt.all_steps()
-    if not steps:
-      raise FileNotFoundError(f"{directory}: no checkpoints")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-      raise FileNotFoundError(f"{directory}: no checkpoint {step}; available: {steps}")
+    step = ckpt.resolve_step(step)
     meta = ckpt.read_meta(step)
     if meta.get("kind") != _KIND:
       raise ValueError(f"{directory}: checkpoint {step} is not a reward model (kind={meta.get('kind')!r})")

@@ -290,15 +290,15 @@ class HumanEvalTask(SplitTask):
     Returns:
       The :class:`~mimo_jax.rewards.code.CodeVerdict`.
     """
-    program = extract_code(completion_text, problem.prompt)
-    return unit_test_result(
-      program,
-      problem.tests,
-      problem.entry_point,
-      context=problem.prompt,
-      timeout_s=self.timeout_s,
-      memory_mb=self.memory_mb,
-    )
+    return unit_test_result(*self._test_args(problem, completion_text), **self._limits(problem))
+
+  @staticmethod
+  def _test_args(problem: HumanEvalProblem, completion_text: str) -> tuple[str, str, str]:
+    """``(program, tests, entry_point)``: the prompt plus the completion (or its fenced function)."""
+    return extract_code(completion_text, problem.prompt), problem.tests, problem.entry_point
+
+  def _limits(self, problem: HumanEvalProblem) -> dict[str, Any]:
+    return {"context": problem.prompt, "timeout_s": self.timeout_s, "memory_mb": self.memory_mb}
 
   def reward(self, problem: HumanEvalProblem, completion_text: str) -> float:
     """Scores a completion: 1.0 if the problem's tests really ran and passed, else 0.0.
@@ -322,15 +322,7 @@ class HumanEvalTask(SplitTask):
     Returns:
       ``{"strict": ..., "weak": ..., "hacked": ...}``, each 0.0 or 1.0; ``strict`` equals :meth:`reward`.
     """
-    program = extract_code(completion_text, problem.prompt)
-    return probe_components(
-      program,
-      problem.tests,
-      problem.entry_point,
-      context=problem.prompt,
-      timeout_s=self.timeout_s,
-      memory_mb=self.memory_mb,
-    )
+    return probe_components(*self._test_args(problem, completion_text), **self._limits(problem))
 
 
 def _distinct_problems(rows: list[dict[str, Any]]) -> tuple[list[HumanEvalProblem], int]:

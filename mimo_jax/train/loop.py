@@ -25,7 +25,7 @@ import numpy as np
 import tqdm
 from absl import logging
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from mimo_jax import sharding
 from mimo_jax.ckpt import Checkpointer
@@ -337,16 +337,22 @@ class RLRun:
       value_max_updates=algo.value_max_updates if algo.value_window else algo.value_updates,
       value_fast_drop=algo.value_fast_drop,
     )
-    self.coefs_fn = jax.jit(
-      functools.partial(
-        dynamic_coefs,
-        settings=self.ctl_settings,
-        clip_low=algo.clip_low,
-        clip_high=algo.clip_high,
-        kl_in_reward=algo.kl_in == "reward",
-        use_kl=self.use_kl,
-      )
+    coefficients = functools.partial(
+      dynamic_coefs,
+      settings=self.ctl_settings,
+      clip_low=algo.clip_low,
+      clip_high=algo.clip_high,
+      kl_in_reward=algo.kl_in == "reward",
+      use_kl=self.use_kl,
     )
+    schedule, peak = self.lr_schedule, cfg.optim.learning_rate
+
+    def coefs_fn(controllers, step, opt_step):
+      """The step's coefficients and the base schedule's LR at the optimizer's own count (on device)."""
+      base_lr = schedule(opt_step)
+      return coefficients(controllers, step, base_lr / peak), base_lr
+
+    self.coefs_fn = jax.jit(coefs_fn)
     self.ctl_update_fn = jax.jit(functools.partial(update_controllers, settings=self.ctl_settings))
     self.adv_fn = make_advantage_fn(
       AdvantageSettings(
@@ -443,34 +449,21 @@ class RLRun:
     """A new train state for ``phase`` (``sft`` or ``rl``) from ``params`` (initial weights by default)."""
     params = self._init_params if params is None else params
     if phase == "sft":
-      return self._placed(TrainState.create(nnx.merge(self.graphdef, params), self.sft_tx, self._sft_key))
+      return TrainState.create(nnx.merge(self.graphdef, params), self.sft_tx, self._sft_key)
     a = self.cfg.algo
     controllers = init_controllers(
       kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, value_updates=a.value_updates, value_window=a.value_window
     )
     if self.use_value:
       self.value_state = self.fresh_value_state(params)
-    return self._placed(TrainState.create(nnx.merge(self.graphdef, params), self.rl_tx, self._rl_key, controllers))
-
-  def _placed(self, state: TrainState) -> TrainState:
-    """Puts every leaf not yet on the mesh (step counters, keys, controller scalars) there, replicated.
-
-    A jitted step returns its state with mesh shardings; feeding it a fresh state whose
-    scalars live on one device would compile each step a second time on its second call.
-    """
-    replicated = NamedSharding(self.mesh, PartitionSpec())
-
-    def place(x):
-      return x if isinstance(getattr(x, "sharding", None), NamedSharding) else jax.device_put(x, replicated)
-
-    return jax.tree.map(place, state)
+    return TrainState.create(nnx.merge(self.graphdef, params), self.rl_tx, self._rl_key, controllers)
 
   def fresh_value_state(self, policy_params) -> TrainState:
     """The value model's state at RL step 0: the policy's backbone, a zero head, a fresh optimizer."""
     value_params = jax.tree.map(jnp.copy, self._value_init_params)
     value_params["decoder"] = jax.tree.map(jnp.copy, policy_params["decoder"])
     key = jax.random.fold_in(self._rl_key, 1)
-    return self._placed(TrainState.create(nnx.merge(self.value_graphdef, value_params), self.value_tx, key))
+    return TrainState.create(nnx.merge(self.value_graphdef, value_params), self.value_tx, key)
 
   @staticmethod
   def _state_tree(state: TrainState) -> dict[str, Any]:
@@ -772,7 +765,7 @@ class RLRun:
     picks = (keep + fill)[: self.rows]
     stats.update(
       ds_rounds=len(rounds),
-      ds_filled_groups=sum(1 for p in picks if p in set(fill)),
+      ds_filled_groups=len(set(picks) & set(fill)),
       ds_kept_frac_first_round=sum(1 for r, _ in keep if r == 0) / self.rows,
     )
     return (*_select_groups(rounds, picks, G), stats)
@@ -781,6 +774,9 @@ class RLRun:
     """One RL step: generate -> reward -> score -> advantages -> update (policy, value) -> controllers -> sync."""
     cfg = self.cfg
     t0 = time.perf_counter()
+    # Host copies of two state scalars, fetched while nothing is in flight (the previous
+    # step ended with its metrics fetch): the policy version and the critic's pass count.
+    policy_version, value_passes = jax.device_get((state.step, state.controllers.value_updates))
     # ---- generate and reward (host), with dynamic sampling when on
     temperature = self.temperature(step)
     problems, rollout, rewards, gen_stats = self.rollout_batch(temperature)
@@ -790,9 +786,7 @@ class RLRun:
     seqs = SequenceBatch(rollout.prompt_tokens, rollout.prompt_mask, rollout.completion_tokens, rollout.completion_mask)
     old_logp, ref_logp = self.score_fn(state.params, self.ref_params, seqs, rollout.temperature)
     values = self.value_fn(self.value_state.params, seqs) if self.use_value else jnp.zeros_like(old_logp)
-    base_lr = float(self.lr_schedule(jax.device_get(state.step)))  # the optimizer's own count
-    peak = cfg.optim.learning_rate
-    coefs = self.coefs_fn(state.controllers, jnp.int32(step), jnp.float32(base_lr / peak))
+    coefs, base_lr = self.coefs_fn(state.controllers, jnp.int32(step), state.step)
     adv_in = AdvantageInputs(
       rewards=jnp.asarray(rewards.values),
       lengths=rollout.lengths,
@@ -824,7 +818,7 @@ class RLRun:
     self.batches.append(
       {
         "batch_id": step,
-        "policy_version": int(state.step),
+        "policy_version": int(policy_version),
         "sampling_params_version": self.sampling_version,
         "status": "consumed",
         "num_rows": int(rewards.values.shape[0]),
@@ -854,10 +848,9 @@ class RLRun:
         old_values=values,
         returns=adv_out.returns,
       )
-      passes = int(jax.device_get(state.controllers.value_updates))
-      for _ in range(passes):
+      for _ in range(int(value_passes)):
         self.value_state, value_metrics = self.value_update_fn(self.value_state, vbatch)
-      value_metrics = {**value_metrics, "value_passes": passes}
+      value_metrics = {**value_metrics, "value_passes": int(value_passes)}
     signals = StepSignals(
       kl=train_metrics.get("kl_k3", adv_metrics["kl_prompt_mean"]),
       entropy=train_metrics.get("entropy", jnp.float32(jnp.nan)),
@@ -865,8 +858,18 @@ class RLRun:
       value_loss=value_metrics.get("value_loss", jnp.float32(jnp.nan)),
     )
     state = state.replace(controllers=self.ctl_update_fn(state.controllers, signals, jnp.int32(step + 1)))
-    train_metrics, adv_metrics, value_metrics, coefs, lengths, finish, ctl = jax.device_get(
-      (train_metrics, adv_metrics, value_metrics, coefs, rollout.lengths, rollout.finish_reason, state.controllers)
+    train_metrics, adv_metrics, value_metrics, coefs, base_lr, lengths, finish, ctl, lr_scale = jax.device_get(
+      (
+        train_metrics,
+        adv_metrics,
+        value_metrics,
+        coefs,
+        base_lr,
+        rollout.lengths,
+        rollout.finish_reason,
+        state.controllers,
+        state.lr_scale,
+      )
     )
     t3 = time.perf_counter()
     record = {
@@ -876,7 +879,7 @@ class RLRun:
       "response_len": float(np.mean(lengths)),
       "truncated_frac": float(np.mean(finish == FINISH_LENGTH)),
       "temperature": temperature,
-      "lr": float(base_lr * float(state.lr_scale) * float(coefs.lr_mult)),
+      "lr": float(base_lr * lr_scale * coefs.lr_mult),
       "kl_coef": float(coefs.kl_coef + coefs.kl_reward_coef),
       "entropy_coef": float(coefs.entropy_coef),
       "clip_low_now": float(coefs.clip_low),

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from mimo_jax.config import OptimConfig
 
@@ -43,8 +43,14 @@ class TrainState(flax.struct.PyTreeNode):
   def create(
     cls, model: nnx.Module, tx: optax.GradientTransformation, rng: jax.Array, controllers: Any = None
   ) -> TrainState:
+    """A fresh state for ``model``, every array committed where a jitted step returns it.
+
+    Fresh scalars (step counters, the PRNG key, controller state) would otherwise start
+    uncommitted on the default device while a step's outputs live on the parameters' mesh:
+    the second call of every step would then see new input shardings and compile again.
+    """
     graphdef, params = nnx.split(model)
-    return cls(
+    state = cls(
       step=jnp.zeros((), jnp.int32),
       params=params,
       opt_state=init_opt_state(tx, params),
@@ -55,9 +61,28 @@ class TrainState(flax.struct.PyTreeNode):
       tx=tx,
       controllers=controllers,
     )
+    return commit_like_params(state, params)
 
   def model(self) -> nnx.Module:
     return nnx.merge(self.graphdef, self.params)
+
+
+def commit_like_params(tree: Any, params: Any) -> Any:
+  """Commits every array of ``tree`` next to ``params``: replicated on their mesh (leaves
+  already on a named mesh are kept), or on their single device."""
+  leaves = jax.tree.leaves(params)
+  first = getattr(leaves[0], "sharding", None) if leaves else None
+  if isinstance(first, NamedSharding):
+    replicated = NamedSharding(first.mesh, PartitionSpec())
+
+    def place(x):
+      return x if isinstance(getattr(x, "sharding", None), NamedSharding) else jax.device_put(x, replicated)
+
+    return jax.tree.map(place, tree)
+  if first is None:
+    return tree
+  device = SingleDeviceSharding(next(iter(first.device_set)))
+  return jax.tree.map(lambda x: jax.device_put(x, device), tree)
 
 
 def opt_state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
