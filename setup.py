@@ -37,7 +37,9 @@ setup(
   version="0.1.0",
   description="A JAX-native reinforcement-learning trainer for large language models.",
   python_requires=">=3.11",
-  packages=find_packages(include=["mimo_jax", "mimo_jax.*"]) + ["mimo_jax.kernels", "mimo_jax.checkpoints_schema"],
+  packages=find_packages(include=["mimo_jax", "mimo_jax.*"])
+  + ["mimo_jax.kernels", "mimo_jax.checkpoints_schema"]
+  + [f"mimo_jax.kernels.{p}" for p in find_packages("kernels")],
   package_dir={"mimo_jax.kernels": "kernels", "mimo_jax.checkpoints_schema": "checkpoints_schema"},
   package_data={"mimo_jax": ["data/*", "data/*/*"], "mimo_jax.checkpoints_schema": ["*.json"]},
   install_requires=INSTALL_REQUIRES,

@@ -1,6 +1,6 @@
 """Pallas kernels and their pure-jnp references (installed as ``mimo_jax.kernels``).
 
-``fused_logprobs`` stays the submodule (``from mimo_jax.kernels import fused_logprobs``, then
+``fused_logprobs`` is the subpackage (``from mimo_jax.kernels import fused_logprobs``, then
 ``fused_logprobs.fused_logprobs(...)``); its other public names are re-exported here.
 """
 

@@ -130,7 +130,9 @@ class AlgoConfig:
   grad_accum: int = field(1, "Micro-batches per minibatch (gradient accumulation).")
   use_value_model: bool = field(False, "Train a value model (PPO with GAE).")
   logprob_impl: str = field(
-    "full", "Training log-probs/entropy: full logits, or the fused streaming kernel.", choices=("full", "fused")
+    "fused",
+    "Training log-probs/entropy: the fused streaming kernel (no [tokens, vocab] logits), or full logits.",
+    choices=("fused", "full"),
   )
   # ---- KL to the reference: where it acts and how its coefficient is controlled
   kl_in: str = field(

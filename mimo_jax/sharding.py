@@ -263,6 +263,27 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, named_sharding(ctx.mesh, logical_axes, ctx.rules, x.shape))
 
 
+def kernel_layout(rows: int, vocab: int) -> tuple[Mesh, str | None, tuple[str, ...]] | None:
+  """How a per-token vocabulary kernel splits under the active rules: ``(mesh, vocab_axis, row_axes)``.
+
+  Rows (``rows`` flattened tokens) split like ``batch``, the vocabulary like ``vocab``, each keeping only
+  the mesh axes that divide it. None outside :func:`use_rules` or on a single device.
+  """
+  ctx = _CONTEXT.get()
+  if ctx is None or ctx.mesh.size == 1:
+    return None
+
+  def axes(name: str, size: int) -> tuple[str, ...]:
+    entry = logical_to_spec((name,), ctx.rules, ctx.mesh, (size,))[0]
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+  vocab_axes, row_axes = axes("vocab", vocab), axes("batch", rows)
+  if len(vocab_axes) > 1:
+    raise ValueError(f"the vocabulary may split over one mesh axis, the rules give {vocab_axes}")
+  vocab_axis = vocab_axes[0] if vocab_axes else None
+  return ctx.mesh, vocab_axis, tuple(a for a in row_axes if a != vocab_axis)
+
+
 def validate_model_on_mesh(model_cfg, mesh_cfg: MeshConfig, num_devices: int) -> None:
   """Checks that the tensor-parallel size divides the head count and MLP width."""
   _, _, tp = mesh_cfg.resolve(num_devices)

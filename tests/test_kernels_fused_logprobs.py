@@ -43,7 +43,11 @@ def _sample_cases(count: int, seed: int) -> list[Case]:
     v=[5, 64, 203, 300],
     temperature=[0.7, 1.0, 1.3],
     dtype=[jnp.float32, jnp.bfloat16],
-    block_sizes=[fl.BlockSizes(16, 64), fl.BlockSizes(8, 128), fl.BlockSizes(32, 32)],
+    block_sizes=[
+      fl.BlockSizes(16, 64, 16),
+      fl.BlockSizes(8, 128, 32),
+      fl.BlockSizes(32, 32, 16, num_v_splits=3),  # pallas_gpu: the last split owns masked-out blocks
+    ],
   )
   orders = {name: rng.permutation(len(values)) for name, values in axes.items()}
   return [Case(**{name: values[orders[name][i % len(values)]] for name, values in axes.items()}) for i in range(count)]
@@ -87,17 +91,16 @@ def _assert_close(actual, expected, tol, what: str):
 
 
 class TestFusedLogprobs:
-  """Non-interpret: ``xla`` everywhere; ``pallas`` compiled only where the backend can lower it (not CPU)."""
+  """Non-interpret: ``xla`` and ``auto`` everywhere, plus the backend's compiled Pallas kernel off CPU."""
 
   INTERPRET = False
 
-  def impls(self) -> tuple[tuple[str, str], ...]:
-    """(impl, pallas_variant) pairs this class runs, selected by INTERPRET and the backend."""
+  def impls(self) -> tuple[str, ...]:
+    """The implementations this class runs, selected by INTERPRET and the backend."""
     if self.INTERPRET:
-      return (("pallas", "vocab_grid"), ("pallas", "vocab_loop"))
-    # Compiled Pallas cannot run on CPU; elsewhere "auto" picks the backend's variant.
-    pallas = (("pallas", "auto"),) if jax.default_backend() != "cpu" else ()
-    return (("xla", "auto"), ("auto", "auto")) + pallas
+      return ("pallas_tpu", "pallas_gpu")
+    # Compiled Pallas cannot run on CPU; elsewhere "pallas" is the backend's kernel.
+    return ("xla", "auto") + (("pallas",) if jax.default_backend() != "cpu" else ())
 
   @pytest.mark.parametrize("case", CASES, ids=lambda c: f"n{c.n}h{c.h}v{c.v}T{c.temperature}{c.dtype.__name__}")
   def test_matches_reference(self, case: Case):
@@ -109,9 +112,9 @@ class TestFusedLogprobs:
       return fl.fused_logprobs_reference(hid, w_, targets, temperature=case.temperature, ref_logprobs=ref_lp)
 
     ref_out, ref_grads = _loss_and_grads(reference, hidden_in.astype(jnp.float32), w_in.astype(jnp.float32))
-    for impl, variant in self.impls():
+    for impl in self.impls():
 
-      def fn(hid, w_, impl=impl, variant=variant):
+      def fn(hid, w_, impl=impl):
         return fl.fused_logprobs(
           hid,
           w_,
@@ -121,36 +124,34 @@ class TestFusedLogprobs:
           impl=impl,
           block_sizes=case.block_sizes,
           interpret=self.INTERPRET,
-          pallas_variant=variant,
         )
 
       out, grads = _loss_and_grads(fn, hidden_in, w_in)
       for name in ("logprobs", "entropy", "kl"):
         assert getattr(out, name).dtype == jnp.float32
-        _assert_close(getattr(out, name), getattr(ref_out, name), tol, f"{impl}/{variant} {name}")
+        _assert_close(getattr(out, name), getattr(ref_out, name), tol, f"{impl} {name}")
       assert grads[0].dtype == case.dtype and grads[1].dtype == case.dtype
-      _assert_close(grads[0], ref_grads[0], tol, f"{impl}/{variant} d hidden")
-      _assert_close(grads[1], ref_grads[1], tol, f"{impl}/{variant} d w_unembed")
+      _assert_close(grads[0], ref_grads[0], tol, f"{impl} d hidden")
+      _assert_close(grads[1], ref_grads[1], tol, f"{impl} d w_unembed")
 
   def test_without_ref_logprobs_and_large_logits(self):
     # Logits around +-60 / T: the online max rescaling must keep exp finite and entropy accurate.
     hidden, w, targets, _ = _inputs(24, 16, 203, seed=3)
     w = w * 20.0
     ref = fl.fused_logprobs_reference(hidden, w, targets, temperature=0.7)
-    for impl, variant in self.impls():
+    for impl in self.impls():
       out = fl.fused_logprobs(
         hidden,
         w,
         targets,
         temperature=0.7,
         impl=impl,
-        block_sizes=fl.BlockSizes(8, 64),
+        block_sizes=fl.BlockSizes(8, 64, 16),
         interpret=self.INTERPRET,
-        pallas_variant=variant,
       )
       assert out.kl is None
-      _assert_close(out.logprobs, ref.logprobs, dict(rtol=1e-5, atol=1e-4), f"{impl}/{variant} logprobs")
-      _assert_close(out.entropy, ref.entropy, dict(rtol=1e-4, atol=1e-4), f"{impl}/{variant} entropy")
+      _assert_close(out.logprobs, ref.logprobs, dict(rtol=1e-5, atol=1e-4), f"{impl} logprobs")
+      _assert_close(out.entropy, ref.entropy, dict(rtol=1e-4, atol=1e-4), f"{impl} entropy")
 
 
 class TestFusedLogprobsInterpret(TestFusedLogprobs):
@@ -218,17 +219,37 @@ def test_xla_large_shapes_match_reference():
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 2), (2, 4)])
-def test_sharded_matches_unsharded(mesh_shape: tuple[int, int]):
+@pytest.mark.parametrize(
+  "mesh_shape, batch_axes, impl",
+  [
+    ((1, 2), (), "xla"),
+    ((2, 4), (), "xla"),
+    ((2, 4), ("data",), "xla"),
+    ((2, 2), ("data",), "pallas_gpu"),  # interpret mode inside shard_map
+    ((1, 4), (), "pallas_tpu"),
+  ],
+)
+def test_sharded_matches_unsharded(mesh_shape: tuple[int, int], batch_axes: tuple[str, ...], impl: str):
   devices = np.array(jax.devices()[: mesh_shape[0] * mesh_shape[1]]).reshape(mesh_shape)
   mesh = Mesh(devices, ("data", "tensor"))  # Mesh() defaults to AxisType.Auto (STACK_NOTES gotcha 1).
   hidden, w, targets, ref_lp = _inputs(40, 16, 200, seed=11)
   w = jax.device_put(w, NamedSharding(mesh, P(None, "tensor")))
-  block_sizes = fl.BlockSizes(16, 32)  # 200 / 4 = 50 local columns: exercises the shifted tail block per shard.
+  # 200 / 4 = 50 local columns: exercises the shifted tail block (and, for pallas_gpu, splits) per shard.
+  block_sizes = fl.BlockSizes(16, 32, 16, num_v_splits=2)
 
   def sharded(hid, w_):
     return fl.fused_logprobs_sharded(
-      hid, w_, targets, mesh, axis="tensor", temperature=0.7, ref_logprobs=ref_lp, block_sizes=block_sizes
+      hid,
+      w_,
+      targets,
+      mesh,
+      axis="tensor",
+      batch_axes=batch_axes,
+      temperature=0.7,
+      ref_logprobs=ref_lp,
+      impl=impl,
+      block_sizes=block_sizes,
+      interpret=impl != "xla",
     )
 
   def reference(hid, w_):
@@ -241,9 +262,17 @@ def test_sharded_matches_unsharded(mesh_shape: tuple[int, int]):
     _assert_close(getattr(out, name), getattr(ref_out, name), tol, name)
   _assert_close(grads[0], ref_grads[0], tol, "d hidden")
   _assert_close(grads[1], ref_grads[1], tol, "d w_unembed")
+  if batch_axes:
+    assert out.logprobs.sharding.spec == P(batch_axes)
   # Neither logits nor the unembedding are gathered: only all-reduces cross the tensor axis.
   hlo = jax.jit(sharded).lower(hidden, w).compile().as_text()
   assert "all-gather" not in hlo
+
+
+def test_resolve_impl_per_backend():
+  assert [fl.resolve_impl("auto", b) for b in ("cpu", "gpu", "tpu")] == ["xla", "pallas_gpu", "pallas_tpu"]
+  assert [fl.resolve_impl("pallas", b) for b in ("cpu", "gpu", "tpu")] == ["pallas_tpu", "pallas_gpu", "pallas_tpu"]
+  assert fl.resolve_impl("reference", "gpu") == "reference"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -287,7 +316,7 @@ def test_xla_temp_memory_is_8x_below_reference():
     ((4, 8), (8, 10), (4,), dict(ref_logprobs=(3,)), ValueError, r"ref_logprobs must have the shape of targets"),
     ((4, 8), (8, 10), (4,), dict(temperature=0.0), ValueError, r"temperature must be > 0"),
     ((4, 8), (8, 10), (4,), dict(impl="cuda"), ValueError, r"impl must be one of"),
-    ((4, 8), (8, 10), (4,), dict(impl="pallas", pallas_variant="tiles"), ValueError, r"pallas_variant must be one"),
+    ((4, 8), (8, 10), (4,), dict(impl="triton"), ValueError, r"impl must be one of .*'pallas_gpu'"),
   ],
 )
 def test_bad_inputs_raise(hidden_shape, w_shape, targets_shape, kwargs, error, match):
@@ -304,8 +333,10 @@ def test_bad_dtypes_and_block_sizes_raise():
     fl.fused_logprobs(hidden, w, jnp.zeros((4,), jnp.float32))
   with pytest.raises(TypeError, match="hidden must be floating point"):
     fl.fused_logprobs(jnp.zeros((4, 8), jnp.int32), w, jnp.zeros((4,), jnp.int32))
-  with pytest.raises(ValueError, match="BlockSizes must be positive"):
+  with pytest.raises(ValueError, match="BlockSizes.block_n must be a positive int or None, got 0"):
     fl.BlockSizes(block_n=0)
+  with pytest.raises(ValueError, match="BlockSizes.num_warps must be a positive int or None, got 2.5"):
+    fl.BlockSizes(num_warps=2.5)
 
 
 def test_sharded_bad_vocab_split_raises():
@@ -315,3 +346,12 @@ def test_sharded_bad_vocab_split_raises():
     fl.fused_logprobs_sharded(hidden, jnp.zeros((8, 10)), targets, mesh)
   with pytest.raises(ValueError, match=r"axis 'model' is not a mesh axis"):
     fl.fused_logprobs_sharded(hidden, jnp.zeros((8, 12)), targets, mesh, axis="model")
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "tensor"))
+  with pytest.raises(ValueError, match=r"N=6 rows must be divisible by the batch axes \('data',\) \(size 4\)"):
+    fl.fused_logprobs_sharded(
+      jnp.zeros((6, 8)), jnp.zeros((8, 12)), jnp.zeros((6,), jnp.int32), mesh, batch_axes=("data",)
+    )
+  with pytest.raises(ValueError, match=r"axis 'tensor' cannot shard both the vocabulary and the rows"):
+    fl.fused_logprobs_sharded(hidden, jnp.zeros((8, 12)), targets, mesh, batch_axes=("tensor",))
+  with pytest.raises(ValueError, match=r"needs a blockwise impl"):
+    fl.fused_logprobs_sharded(hidden, jnp.zeros((8, 12)), targets, mesh, impl="reference")

@@ -319,7 +319,7 @@ def test_fused_logprob_kernel_in_the_loss_matches_full_logits():
   graphdef, params = nnx.split(model)
   seqs = SequenceBatch(out.prompt_tokens, out.prompt_mask, out.completion_tokens, out.completion_mask)
   temps = out.temperature * jnp.linspace(0.7, 1.3, out.temperature.shape[0])  # per-row temperatures
-  full = make_score_fn(graphdef, None, use_reference=True)(params, params, seqs, temps)
+  full = make_score_fn(graphdef, None, use_reference=True, logprob_impl="full")(params, params, seqs, temps)
   fused = make_score_fn(graphdef, None, use_reference=True, logprob_impl="fused")(params, params, seqs, temps)
   np.testing.assert_allclose(fused[0], full[0], atol=2e-5)
   results = []
@@ -331,6 +331,31 @@ def test_fused_logprob_kernel_in_the_loss_matches_full_logits():
   for k in ("loss", "pg_loss", "kl_loss", "entropy", "grad_norm"):
     np.testing.assert_allclose(m_fused[k], m_full[k], rtol=1e-4, atol=1e-6, err_msg=k)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p_fused, p_full)
+
+
+def test_fused_kernel_under_the_trainer_mesh_splits_rows_and_vocabulary():
+  """On a (data 2, fsdp 2, tensor 2) mesh the fused loss runs per device under ``shard_map`` (rows over
+  data x fsdp, vocabulary over tensor) and equals single-device full logits."""
+  from mimo_jax import sharding
+
+  cfg = tiny()
+  mesh = build_mesh(MeshConfig(2, 2, 2))
+  with sharding.use_rules(mesh, sharding.TRAIN_RULES):
+    assert sharding.kernel_layout(96, cfg.vocab_size) == (mesh, "tensor", ("data", "fsdp"))
+    assert sharding.kernel_layout(96, 255) == (mesh, None, ("data", "fsdp"))  # 255 columns do not split in two
+    assert sharding.kernel_layout(6, cfg.vocab_size) == (mesh, "tensor", ("data",))
+  assert sharding.kernel_layout(96, cfg.vocab_size) is None
+  single = Transformer(cfg, rngs=nnx.Rngs(4))
+  _, batch = _rollout_batch(single, seed=4)
+  sgd = optax.sgd(1.0)
+  ref_state, ref_m = make_update_fn(None, UpdateSettings(logprob_impl="full"))(_state(single, tx=sgd), batch, COEFS)
+  update = make_update_fn(mesh, UpdateSettings(logprob_impl="fused"))
+  state0 = _state(create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(4)), mesh), tx=sgd)
+  assert "shard_map" in str(jax.make_jaxpr(update)(state0, batch, COEFS))
+  state, m = update(state0, batch, COEFS)
+  for k in ("loss", "pg_loss", "kl_loss", "entropy"):
+    np.testing.assert_allclose(m[k], ref_m[k], rtol=1e-4, atol=1e-6, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), state.params, ref_state.params)
 
 
 def test_micro_batched_scoring_equals_one_pass():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mimo_jax import sharding
 from mimo_jax.models.transformer import Transformer, positions_from_mask
 
 
@@ -47,9 +48,11 @@ LOGPROB_IMPLS = ("full", "fused")
 def _fused_stats(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature):
   """Like :func:`_scaled_log_softmax` + entropy, without the ``[B, M, V]`` logits.
 
-  The per-row temperature is folded into the hidden states (``(h / T) @ W == (h @ W) / T``),
-  and :func:`mimo_jax.kernels.fused_logprobs.fused_logprobs` streams over vocabulary blocks
-  in the forward and the backward pass.
+  The per-row temperature is folded into the hidden states (``(h / T) @ W == (h @ W) / T``), and
+  the kernel (:mod:`mimo_jax.kernels.fused_logprobs`) streams over vocabulary blocks in the forward
+  and the backward pass. Under a mesh (:func:`mimo_jax.sharding.use_rules`) it runs per device under
+  ``shard_map``: rows split like the batch, the vocabulary like the unembedding's ``vocab`` axis, so
+  neither the logits nor the unembedding are gathered across the tensor axis.
   """
   from mimo_jax.kernels import fused_logprobs as fused
 
@@ -60,7 +63,13 @@ def _fused_stats(model, prompt_tokens, prompt_mask, completion_tokens, completio
   temp = jnp.where(temp <= 0, 1.0, temp)
   w = model.unembedding()
   scaled = (hidden / temp[:, None, None]).astype(w.dtype).reshape(B * M, D)
-  stats = fused.fused_logprobs(scaled, w, completion_tokens.reshape(-1).astype(jnp.int32))
+  targets = completion_tokens.reshape(-1).astype(jnp.int32)
+  layout = sharding.kernel_layout(B * M, w.shape[1])
+  if layout is None:
+    stats = fused.fused_logprobs(scaled, w, targets)
+  else:
+    mesh, vocab_axis, batch_axes = layout
+    stats = fused.fused_logprobs_sharded(scaled, w, targets, mesh, axis=vocab_axis, batch_axes=batch_axes)
   return stats.logprobs.reshape(B, M), stats.entropy.reshape(B, M)
 
 

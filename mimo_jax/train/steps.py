@@ -108,7 +108,7 @@ class UpdateSettings:
     epochs: passes over the batch.
     num_minibatches: optimizer updates per pass.
     grad_accum: micro-batches per minibatch.
-    logprob_impl: ``full`` logits or the ``fused`` streaming kernel for log-probs/entropy.
+    logprob_impl: the ``fused`` streaming kernel (default) or ``full`` logits for log-probs/entropy.
   """
 
   policy_loss: str = "ppo"
@@ -122,7 +122,7 @@ class UpdateSettings:
   epochs: int = 1
   num_minibatches: int = 1
   grad_accum: int = 1
-  logprob_impl: str = "full"
+  logprob_impl: str = "fused"
 
 
 # ----------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def _map_rows(fn, batch: Any, micro_batches: int):
 
 
 def make_score_fn(
-  graphdef: Any, mesh: Mesh | None, *, use_reference: bool, logprob_impl: str = "full", micro_batches: int = 1
+  graphdef: Any, mesh: Mesh | None, *, use_reference: bool, logprob_impl: str = "fused", micro_batches: int = 1
 ):
   """A jitted ``(params, ref_params, batch, temperature) -> (old_logprobs, ref_logprobs)``.
 
