@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import multiprocessing
@@ -12,11 +13,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import types
 
 import numpy as np
 import pytest
 
+from mimo_jax.rewards import base as rewards_base
 from mimo_jax.rewards.base import CompositeReward, Outcome, RewardBatch, RewardPool, RewardSample, RewardSource
 from mimo_jax.testing import reward_fns
 
@@ -179,6 +183,35 @@ def test_dying_worker_is_replaced(pool: RewardPool) -> None:
   assert not any(outcomes[i].failed for i in (0, 2, 4))
   later = pool.map(reward_fns.worker_pid, [_sample()] * 4)
   assert not any(o.failed for o in later) and len(pool.worker_pids()) == 2
+
+
+def test_worker_dying_while_busy_fails_its_own_sample(monkeypatch) -> None:
+  """A busy worker found dead at the start of a scheduling pass is not replaced there: its death is read
+  as its sample's outcome. (Replacing it as if idle dropped the sample, and the run waited forever.)"""
+  real_monotonic = time.monotonic
+  delayed = []
+
+  def monotonic() -> float:
+    caller = inspect.currentframe().f_back
+    line = (inspect.getframeinfo(caller).code_context or [""])[0]
+    if caller.f_code.co_name == "_run_in_workers" and "now = time.monotonic()" in line:
+      delayed.append(1)
+      time.sleep(0.3)  # the pass starts late: the worker below has exited by then
+    return real_monotonic()
+
+  monkeypatch.setattr(rewards_base, "time", types.SimpleNamespace(monotonic=monotonic))
+  pool = RewardPool(num_workers=1, default_timeout_s=5.0)
+  # The worker reports the call started, is seen alive, then exits 0.1 s later.
+  samples = [_sample(action="exit", seconds=0.1), _sample(value=2.0)]
+  result: list = []
+  thread = threading.Thread(target=lambda: result.append(pool.map(reward_fns.scripted, samples)), daemon=True)
+  thread.start()
+  thread.join(60.0)
+  # (Not closed on failure: close() would wait for the lock the stuck call holds.)
+  assert result, "RewardPool.map did not return within 60 s"
+  pool.close()
+  assert result[0] == [Outcome(0.0, True, "worker died (exit code 3)"), Outcome(2.0)]
+  assert len(delayed) >= 2
 
 
 def test_workers_that_cannot_start_raise(pool: RewardPool) -> None:

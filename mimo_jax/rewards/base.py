@@ -602,9 +602,12 @@ class RewardPool:
         for slot in range(self.num_workers):
           if not pending:
             break
-          worker = self._ensure_worker(slot)
-          if worker.task is not None:
+          current = self._workers[slot]
+          if current is not None and current.task is not None:
+            # Busy, possibly dead by now: its outcome (or death) is read below. Replacing it here
+            # would drop its sample, and the run would wait forever for it.
             continue
+          worker = self._ensure_worker(slot)
           i = pending.popleft()
           fn, sample, timeout_s = calls[i]
           try:
@@ -619,6 +622,8 @@ class RewardPool:
 
         busy = [(slot, w) for slot, w in enumerate(self._workers) if w is not None and w.task is not None]
         if not busy:
+          if not pending:
+            raise RuntimeError(f"reward pool lost track of {remaining} call(s): no worker holds them")
           continue  # every send failed; the replacements take the samples on the next pass
         wait_s = max(0.0, min(w.deadline for _, w in busy) - time.monotonic())
         handles: list[Any] = [w.process.sentinel for _, w in busy] + [w.conn for _, w in busy if not w.eof]

@@ -35,7 +35,7 @@ def scripted(sample: RewardSample) -> object:
 
   Actions: ``"value"`` returns ``row["value"]`` (default 1.0) as given; ``"raise"`` raises
   ``ValueError("scripted failure")``; ``"hang"`` sleeps for an hour; ``"spin"`` busy-loops
-  for an hour; ``"exit"`` calls ``os._exit(3)``; ``"sys_exit"`` raises ``SystemExit(2)``;
+  for an hour; ``"exit"`` calls ``os._exit(3)`` (after ``row["seconds"]``, default 0); ``"sys_exit"`` raises ``SystemExit(2)``;
   ``"segv"`` kills its own process with SIGSEGV; ``"sleep"`` sleeps ``row["seconds"]``
   then returns ``row["value"]``.
   """
@@ -51,6 +51,7 @@ def scripted(sample: RewardSample) -> object:
     while time.monotonic() < deadline:
       pass
   elif action == "exit":
+    time.sleep(sample.row.get("seconds", 0.0))
     sys.stdout.flush()
     os._exit(3)
   elif action == "sys_exit":
