@@ -333,6 +333,22 @@ def test_fused_logprob_kernel_in_the_loss_matches_full_logits():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p_fused, p_full)
 
 
+def test_fused_log_probs_use_the_compute_dtype():
+  """f32 parameters, bf16 compute: the kernel multiplies in bf16 like the full logits (not in the params' f32)."""
+  import dataclasses
+
+  from mimo_jax.models.logprobs import completion_stats
+
+  model = Transformer(dataclasses.replace(tiny(), dtype="bfloat16"), rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  prompt, completion = (jnp.asarray(rng.integers(4, 200, (4, n)), jnp.int32) for n in (8, 6))
+  args = (prompt, jnp.ones(prompt.shape, bool), completion, jnp.ones(completion.shape, bool), 1.0)
+  full = completion_stats(model, *args, impl="full")
+  fused = completion_stats(model, *args, impl="fused")
+  np.testing.assert_allclose(fused[0], full[0], atol=1e-5)  # an f32 unembedding differs by ~2e-3 here
+  np.testing.assert_allclose(fused[1], full[1], atol=1e-4)
+
+
 def test_fused_kernel_under_the_trainer_mesh_splits_rows_and_vocabulary():
   """On a (data 2, fsdp 2, tensor 2) mesh the fused loss runs per device under ``shard_map`` (rows over
   data x fsdp, vocabulary over tensor) and equals single-device full logits."""

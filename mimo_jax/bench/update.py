@@ -5,7 +5,9 @@
 
 One GRPO/PPO update (clipped policy loss, k3 KL, entropy, AdamW) of a randomly initialised preset on a mesh over
 every local device (FSDP), on a random batch of ``rows`` sequences. For each ``--logprob_impl``: compile seconds,
-the compiler's temporary memory, the device's peak memory after the timed steps (where the backend reports it),
+the compiler's temporary memory, the device's peak memory after the timed steps (where the backend reports it;
+the allocator's high-water mark is per process, so only the first implementation's peak is its own: run one
+``--impls`` value per process for clean peaks),
 median step seconds over ``--repeats`` steps after a warm-up, and completion tokens per second. The fused rows
 report their ratios to the first implementation. Output: one JSON line per implementation.
 """
@@ -98,7 +100,8 @@ def run(args: argparse.Namespace) -> list[dict]:
       logprob_impl=impl,
       compile_s=round(compile_s, 1),
       temp_gib=round(temp / GiB, 2),
-      peak_gib=_peak_gib(),
+      # The allocator's high-water mark is per process: only the first implementation's is its own.
+      **({"peak_gib": _peak_gib()} if not records else {"peak_gib_process_so_far": _peak_gib()}),
       step_s=round(step_s, 4),
       completion_tokens_per_s=round(tokens / step_s),
       loss=float(metrics["loss"]),

@@ -61,8 +61,9 @@ def _fused_stats(model, prompt_tokens, prompt_mask, completion_tokens, completio
   B, M, D = hidden.shape
   temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))
   temp = jnp.where(temp <= 0, 1.0, temp)
-  w = model.unembedding()
-  scaled = (hidden / temp[:, None, None]).astype(w.dtype).reshape(B * M, D)
+  dt = jnp.dtype(model.config.dtype)  # the compute dtype, as in ``logits_from_hidden``
+  w = model.unembedding().astype(dt)
+  scaled = (hidden / temp[:, None, None]).astype(dt).reshape(B * M, D)
   targets = completion_tokens.reshape(-1).astype(jnp.int32)
   layout = sharding.kernel_layout(B * M, w.shape[1])
   if layout is None:
