@@ -396,16 +396,15 @@ def unit_test_result(
         detail = str(json.loads(lines[-2][len(detail_prefix) :]))
       except ValueError:
         detail = ""
+  how = f"signal {result.signal}" if result.signal is not None else f"exit status {result.exit_code}"
   if status is None:
     if result.exit_code == 0:
       cut = " (stdout was truncated)" if result.stdout_truncated else ""
       return CodeVerdict(False, "no_success_marker", f"exit status 0 but no valid status line{cut}", result)
-    how = f"signal {result.signal}" if result.signal is not None else f"exit status {result.exit_code}"
     return CodeVerdict(False, "crashed", f"the harness ended with {how}: {result.stderr[-500:]}", result)
   if status not in REASONS:
     return CodeVerdict(False, "crashed", f"unknown status {status!r}", result)
   if result.exit_code != 0:
-    how = f"signal {result.signal}" if result.signal is not None else f"exit status {result.exit_code}"
     return CodeVerdict(False, "crashed", f"status {status!r} but the harness ended with {how}", result)
   return CodeVerdict(status == "passed", status, detail, result)
 

@@ -20,19 +20,16 @@ The verifier is :func:`mimo_jax.rewards.math.answers_match` on the answer that
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import re
-import unicodedata
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from mimo_jax.rewards.math import answers_match, extract_answer, extract_answer_with_source, normalize_number
-from mimo_jax.tasks.splits import SplitTask
+from mimo_jax.tasks.splits import SplitTask, content_uid, read_jsonl_rows
 
 __all__ = [
   "DEFAULT_TEST_PATH",
@@ -58,19 +55,9 @@ DEFAULT_PROMPT_TEMPLATE = "Question: {question}\nAnswer:"
 
 
 def question_uid(question: str) -> str:
-  """Returns the SHA-1 hex digest of a question's normalised text.
-
-  Normalisation (Unicode NFKC, case folding, whitespace runs collapsed to one space,
-  ends stripped) makes copies that differ only in formatting count as the same question.
-
-  Args:
-    question: the question text.
-
-  Returns:
-    A 40-character lowercase hex string.
-  """
-  text = re.sub(r"\s+", " ", unicodedata.normalize("NFKC", question).casefold()).strip()
-  return hashlib.sha1(text.encode("utf-8")).hexdigest()
+  """Returns the content hash of a question (:func:`~mimo_jax.tasks.splits.content_uid`): copies that differ
+  only in Unicode form, case or whitespace share it."""
+  return content_uid(question)
 
 
 def gold_answer(solution: str) -> str | None:
@@ -126,25 +113,7 @@ def load_gsm8k_jsonl(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]]
     OSError: if the file cannot be read.
     ValueError: if the file has no usable row.
   """
-  rows: list[dict[str, Any]] = []
-  num_bad = 0
-  first_bad: tuple[int, str] | None = None
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      row, reason = _row_problem(line)
-      if row is None:
-        num_bad += 1
-        if first_bad is None:
-          first_bad = (lineno, reason)
-      else:
-        rows.append(row)
-  if first_bad is not None:
-    _logger.warning("%s: skipped %d malformed GSM8K row(s); first at line %d: %s", os.fspath(path), num_bad, *first_bad)
-  if not rows:
-    raise ValueError(f"{os.fspath(path)}: no usable GSM8K rows ({num_bad} malformed)")
-  return rows, num_bad
+  return read_jsonl_rows(path, _row_problem, "GSM8K", logger=_logger)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,8 +37,7 @@ from typing import Any
 import numpy as np
 
 from mimo_jax.rewards.code import CodeVerdict, extract_code, probe_components, unit_test_result
-from mimo_jax.tasks.gsm8k import question_uid
-from mimo_jax.tasks.splits import SplitTask
+from mimo_jax.tasks.splits import SplitTask, content_uid, read_jsonl_rows
 
 __all__ = [
   "DEFAULT_TEST_PATH",
@@ -66,7 +65,7 @@ _GZIP_MAGIC = b"\x1f\x8b"
 
 
 def problem_uid(prompt: str) -> str:
-  """Returns the SHA-1 hex digest of a prompt's normalised text (:func:`~mimo_jax.tasks.gsm8k.question_uid`).
+  """Returns the SHA-1 hex digest of a prompt's normalised text (:func:`~mimo_jax.tasks.splits.content_uid`).
 
   Args:
     prompt: the problem's prompt.
@@ -74,7 +73,7 @@ def problem_uid(prompt: str) -> str:
   Returns:
     A 40-character lowercase hex string; prompts that differ only in case or whitespace share it.
   """
-  return question_uid(prompt)
+  return content_uid(prompt)
 
 
 def _row_problem(line: str) -> tuple[dict[str, Any] | None, str]:
@@ -136,27 +135,7 @@ def load_humaneval_jsonl(path: str | os.PathLike[str]) -> tuple[list[dict[str, A
     OSError: if the file cannot be read (or is corrupt gzip).
     ValueError: if the file has no usable row.
   """
-  rows: list[dict[str, Any]] = []
-  num_bad = 0
-  first_bad: tuple[int, str] | None = None
-  with _open_text(path) as f:
-    for lineno, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      row, reason = _row_problem(line)
-      if row is None:
-        num_bad += 1
-        if first_bad is None:
-          first_bad = (lineno, reason)
-      else:
-        rows.append(row)
-  if first_bad is not None:
-    _logger.warning(
-      "%s: skipped %d malformed HumanEval row(s); first at line %d: %s", os.fspath(path), num_bad, *first_bad
-    )
-  if not rows:
-    raise ValueError(f"{os.fspath(path)}: no usable HumanEval rows ({num_bad} malformed)")
-  return rows, num_bad
+  return read_jsonl_rows(path, _row_problem, "HumanEval", open_text=_open_text, logger=_logger)
 
 
 @dataclasses.dataclass(frozen=True)

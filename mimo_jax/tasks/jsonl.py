@@ -10,14 +10,13 @@ or the last number) must match the gold answer (numerically, textually or symbol
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from mimo_jax.rewards.math import answers_match, extract_answer
-from mimo_jax.tasks.splits import SplitTask
+from mimo_jax.tasks.splits import SplitTask, content_uid
 
 TASK_NAME = "jsonl"
 
@@ -35,7 +34,7 @@ def parse_field_map(text: str) -> dict[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class JsonlProblem:
-  """A prompt with its gold answer; ``uid`` is a content hash of the prompt."""
+  """A prompt with its gold answer; ``uid`` is the prompt's :func:`~mimo_jax.tasks.splits.content_uid`."""
 
   prompt: str
   answer: str
@@ -44,7 +43,7 @@ class JsonlProblem:
   uid: str = ""
 
   def __post_init__(self) -> None:
-    expected = hashlib.sha1(" ".join(self.prompt.split()).encode()).hexdigest()[:16]
+    expected = content_uid(self.prompt)
     if not self.uid:
       object.__setattr__(self, "uid", expected)
     elif self.uid != expected:

@@ -1,17 +1,90 @@
 """A fixed problem set split into training and held-out problems, kept apart by content hash.
 
 Shared by the file-backed tasks (GSM8K, HumanEval, JSONL): each builds its problems from
-validated rows, then :meth:`SplitTask._set_splits` fixes the held-out split and removes
-every test problem from training.
+validated rows (:func:`read_jsonl_rows`), keyed by :func:`content_uid`, then
+:meth:`SplitTask._set_splits` fixes the held-out split and removes every test problem from
+training.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import operator
-from collections.abc import Sequence
-from typing import Any
+import os
+import re
+import unicodedata
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
 
 import numpy as np
+
+_logger = logging.getLogger(__name__)
+
+
+def content_uid(text: str) -> str:
+  """Returns the SHA-1 hex digest of ``text`` normalised.
+
+  Normalisation (Unicode NFKC, case folding, whitespace runs collapsed to one space,
+  ends stripped) makes copies that differ only in formatting count as the same problem.
+
+  Args:
+    text: a question or prompt.
+
+  Returns:
+    A 40-character lowercase hex string.
+  """
+  text = re.sub(r"\s+", " ", unicodedata.normalize("NFKC", text).casefold()).strip()
+  return hashlib.sha1(text.encode("utf-8")).hexdigest()
+
+
+def read_jsonl_rows(
+  path: str | os.PathLike[str],
+  parse_line: Callable[[str], tuple[dict[str, Any] | None, str]],
+  what: str,
+  open_text: Callable[[str | os.PathLike[str]], TextIO] | None = None,
+  logger: logging.Logger = _logger,
+) -> tuple[list[dict[str, Any]], int]:
+  """Reads a JSON-lines file through a validating line parser.
+
+  Rows the parser rejects are skipped but never silently: their count and the first one's
+  line number and reason are logged as a warning.  Blank lines are not rows and are ignored.
+
+  Args:
+    path: the file to read.
+    parse_line: ``line -> (row, "")`` for a usable row, ``(None, reason)`` otherwise.
+    what: the rows' name in messages (e.g. ``"GSM8K"``).
+    open_text: opens ``path`` as text (default: UTF-8 ``open``).
+    logger: where the warning goes (the calling task's module logger).
+
+  Returns:
+    ``(rows, num_malformed)``: the usable rows in file order and the number skipped.
+
+  Raises:
+    OSError: if the file cannot be read.
+    ValueError: if the file has no usable row.
+  """
+  rows: list[dict[str, Any]] = []
+  num_bad = 0
+  first_bad: tuple[int, str] | None = None
+  with open_text(path) if open_text else open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      row, reason = parse_line(line)
+      if row is None:
+        num_bad += 1
+        if first_bad is None:
+          first_bad = (lineno, reason)
+      else:
+        rows.append(row)
+  if first_bad is not None:
+    _logger.warning(
+      "%s: skipped %d malformed %s row(s); first at line %d: %s", os.fspath(path), num_bad, what, *first_bad
+    )
+  if not rows:
+    raise ValueError(f"{os.fspath(path)}: no usable {what} rows ({num_bad} malformed)")
+  return rows, num_bad
 
 
 class SplitTask:
