@@ -18,7 +18,7 @@ run: $(STAMP)
 	$(PY) -m mimo_jax.main --flagfile=experiments/grpo_tiny.flags
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -225,14 +225,17 @@ def test_sigterm_saves_at_the_step_boundary_and_exits_cleanly(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_at_random_moments_then_resume_is_bit_identical(tmp_path):
+def test_kill_9_at_progress_points_then_resume_is_bit_identical(tmp_path):
+  """Four kills spread over the RL phase (mid-save, after a metrics line, after a commit, mid-save),
+  each triggered by progress on disk, so a slower machine kills at the same steps."""
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+  max_steps = 32
   flags = [
     f"--flagfile={FLAGFILE}",
     "--model_preset=tiny",
     "--sft_steps=20",
     "--sft_batch_size=16",
-    "--max_steps=32",
+    f"--max_steps={max_steps}",
     "--prompts_per_step=8",
     "--num_samples=4",
     "--eval_prompts=16",
@@ -244,8 +247,15 @@ def test_kill_9_at_random_moments_then_resume_is_bit_identical(tmp_path):
   ]
   ref, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
   kill_resume.run_uninterrupted(flags, ref, env)
-  kills = kill_resume.run_with_kills(flags, killed, env, kills=4, seed=0, min_s=4.0, max_s=15.0)
-  assert len(kills) >= 3, kills
-  log = open(killed + ".log").read()
-  assert log.count("resumed from") >= 2
+  kills = kill_resume.run_with_kills(flags, killed, env, kills=4, seed=0)
+  plan = kill_resume.plan_kills(max_steps, 4, seed=0)
+  assert [(k["rl_step"], k["kind"]) for k in kills] == [(p.rl_step, p.kind) for p in plan], kills
+  # Every kill landed at or after its target, inside the RL phase.
+  assert all(k["rl_step"] <= k["waited_for_rl_step"] < max_steps for k in kills), kills
+  assert all(k["kind"] != "logged" or k["waited_for_rl_step"] <= k["logged_rl_step"] for k in kills), kills
+  assert any(k["mid_save"] for k in kills), f"no kill landed while a save was uncommitted: {kills}"
+  resumed = kill_resume.resumes(open(killed + ".log").read())
+  mid_rl = [s for phase, s in resumed if phase == "rl" and 0 < s < max_steps]
+  assert len(mid_rl) == len(kills), resumed  # each relaunch resumed from a mid-RL checkpoint
+  assert mid_rl == sorted(mid_rl) and len(set(mid_rl)) >= 3, resumed
   assert kill_resume.compare(ref, killed) == []

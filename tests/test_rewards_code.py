@@ -62,7 +62,7 @@ def test_every_shipped_canonical_solution_passes() -> None:
 
   def verdict(row: dict[str, str]) -> CodeVerdict:
     program = row["prompt"] + row["canonical_solution"]
-    return unit_test_result(program, row["test"], row["entry_point"], context=row["prompt"], timeout_s=20.0)
+    return unit_test_result(program, row["test"], row["entry_point"], context=row["prompt"], timeout_s=60.0)
 
   with ThreadPoolExecutor(2) as pool:
     verdicts = list(pool.map(verdict, rows))
@@ -137,10 +137,10 @@ HOSTILE = {
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_programs_score_zero(sandbox_mode: str, name: str) -> None:
   program, fools_weak = HOSTILE[name]
-  verdict = unit_test_result(program, TESTS, "add", context=PROMPT, timeout_s=5.0)
+  verdict = unit_test_result(program, TESTS, "add", context=PROMPT, timeout_s=60.0)
   assert not verdict.passed
   assert verdict.reason in REASONS and verdict.reason != "passed"
-  probe = probe_components(program, TESTS, "add", context=PROMPT, timeout_s=5.0)
+  probe = probe_components(program, TESTS, "add", context=PROMPT, timeout_s=60.0)
   assert probe["strict"] == 0.0
   assert probe["weak"] == float(fools_weak)
   assert probe["hacked"] == float(fools_weak)
@@ -229,7 +229,9 @@ REASON_CASES = [
 
 @pytest.mark.parametrize(("program", "tests", "reason"), REASON_CASES, ids=[case[2] for case in REASON_CASES])
 def test_reasons(program: str, tests: str, reason: str) -> None:
-  verdict = unit_test_result(program, tests, "add", context=PROMPT, timeout_s=2.0)
+  # Only the endless loop should meet the limit: the others get a ceiling a slow machine cannot reach.
+  timeout_s = 2.0 if reason == "timeout" else 60.0
+  verdict = unit_test_result(program, tests, "add", context=PROMPT, timeout_s=timeout_s)
   assert verdict.reason == reason, verdict.detail
   assert verdict.passed == (reason == "passed")
 

@@ -54,7 +54,7 @@ def _processes_mentioning(text: str) -> list[int]:
   return found
 
 
-def _wait_until_gone(text: str, seconds: float = 3.0) -> list[int]:
+def _wait_until_gone(text: str, seconds: float = 60.0) -> list[int]:
   end = time.monotonic() + seconds
   left = _processes_mentioning(text)
   while left and time.monotonic() < end:
@@ -130,7 +130,8 @@ def test_wall_clock_timeout_kills_the_code(mode: str | None, code: str) -> None:
   elapsed = time.monotonic() - start
   assert result.timed_out
   assert (result.exit_code, result.signal) == (None, signal.SIGKILL)
-  assert 1.0 <= elapsed < 1.0 + 2.5
+  # Both programs run forever (or 60 s): a generous ceiling proves the kill, on a slow machine too.
+  assert 1.0 <= elapsed < 45.0
 
 
 # ---- processes ----------------------------------------------------------------------------
