@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
-from mimo_jax.config_base import ConfigError, check, check_choices, field
+from mimo_jax.config_base import ConfigError, check, check_fields, field
 from mimo_jax.models.config import PRESETS, REMAT_POLICIES, ModelConfig, get_preset
 from mimo_jax.rl.controllers import ENTROPY_CONTROLLERS, KL_CONTROLLERS, OVERLONG_MODES
 from mimo_jax.sharding import MeshConfig, validate_model_on_mesh
@@ -36,6 +37,7 @@ def parse_float_list(name: str, text: str, length: int | None = None) -> tuple[f
     values = tuple(float(v) for v in text.split(",") if v.strip())
   except ValueError:
     raise ConfigError(f"--{name}={text!r}: expected a comma-separated list of numbers") from None
+  check(all(math.isfinite(v) for v in values), name, text, "expected finite numbers (no inf or nan)")
   if length is not None:
     check(len(values) == length, name, text, f"expected {length} comma-separated numbers")
   return values
@@ -50,13 +52,11 @@ class ModelSpec:
   param_dtype: str = field("", "Parameter dtype (empty: the preset's).", choices=DTYPE_CHOICES)
   compute_dtype: str = field("", "Matmul dtype (empty: the preset's).", choices=DTYPE_CHOICES)
   remat: str = field("", "Layer rematerialisation (empty: the preset's).", choices=("",) + REMAT_POLICIES)
-  vocab_size: int = field(0, "Override the preset's vocabulary size (0: keep; set from the tokenizer).")
-  max_seq_len: int = field(0, "Override the preset's maximum sequence length (0: keep).")
+  vocab_size: int = field(0, "Override the preset's vocabulary size (0: keep; set from the tokenizer).", ge=0)
+  max_seq_len: int = field(0, "Override the preset's maximum sequence length (0: keep).", ge=0)
 
   def __post_init__(self):
-    check_choices(self)
-    check(self.vocab_size >= 0, "vocab_size", self.vocab_size, "must be >= 0")
-    check(self.max_seq_len >= 0, "max_seq_len", self.max_seq_len, "must be >= 0")
+    check_fields(self)
 
   def model_config(self) -> ModelConfig:
     """The resolved ModelConfig for a preset (HF checkpoints resolve their own on load)."""
@@ -79,27 +79,19 @@ class ModelSpec:
 class RolloutConfig:
   """Generation: buckets, lengths and sampling parameters."""
 
-  num_samples: int = field(8, "Samples per prompt (the GRPO group size G).")
+  num_samples: int = field(8, "Samples per prompt (the GRPO group size G).", ge=1)
   prompt_buckets: str = field("32,64,128", "Comma-separated prompt bucket lengths (prompts are left-padded to one).")
-  max_new_tokens: int = field(64, "Maximum completion length (static; completions are padded to it).")
-  temperature: float = field(1.0, "Sampling temperature at the start of training (0: greedy).")
-  temperature_final: float = field(-1.0, "Temperature at the end of training (linear schedule; -1: constant).")
-  top_p: float = field(1.0, "Nucleus sampling mass (1: off).")
-  top_k: int = field(0, "Top-k sampling (0: off).")
+  max_new_tokens: int = field(64, "Maximum completion length (static; completions are padded to it).", ge=1)
+  temperature: float = field(1.0, "Sampling temperature at the start of training (0: greedy).", ge=0)
+  temperature_final: float = field(
+    -1.0, "Temperature at the end of training (linear schedule; -1: constant).", ge=0, also=(-1.0,)
+  )
+  top_p: float = field(1.0, "Nucleus sampling mass (1: off).", gt=0, le=1)
+  top_k: int = field(0, "Top-k sampling (0: off).", ge=0)
 
   def __post_init__(self):
+    check_fields(self)
     parse_int_list("prompt_buckets", self.prompt_buckets)
-    check(self.num_samples >= 1, "num_samples", self.num_samples, "must be >= 1")
-    check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
-    check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
-    check(
-      self.temperature_final == -1.0 or self.temperature_final >= 0,
-      "temperature_final",
-      self.temperature_final,
-      "must be -1 (constant) or >= 0",
-    )
-    check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
-    check(self.top_k >= 0, "top_k", self.top_k, "must be >= 0")
 
   @property
   def buckets(self) -> tuple[int, ...]:
@@ -119,15 +111,15 @@ class AlgoConfig:
     "Loss aggregation.",
     choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
   )
-  clip_low: float = field(0.2, "PPO lower clip epsilon (ratio >= 1 - clip_low).")
-  clip_high: float = field(0.28, "PPO upper clip epsilon (clip-higher: ratio <= 1 + clip_high).")
-  clip_c: float = field(3.0, "Dual-clip constant for negative advantages (> 1).")
-  kl_coef: float = field(0.001, "Initial KL coefficient to the reference policy (0: no reference).")
+  clip_low: float = field(0.2, "PPO lower clip epsilon (ratio >= 1 - clip_low).", ge=0, lt=1)
+  clip_high: float = field(0.28, "PPO upper clip epsilon (clip-higher: ratio <= 1 + clip_high).", ge=0)
+  clip_c: float = field(3.0, "Dual-clip constant for negative advantages (> 1).", gt=1)
+  kl_coef: float = field(0.001, "Initial KL coefficient to the reference policy (0: no reference).", ge=0)
   kl_estimator: str = field("k3", "KL estimator.", choices=("k1", "k2", "k3", "abs"))
-  entropy_coef: float = field(0.0, "Entropy bonus coefficient.")
-  ppo_epochs: int = field(1, "Passes over each rollout batch.")
-  num_minibatches: int = field(1, "Minibatches per pass.")
-  grad_accum: int = field(1, "Micro-batches per minibatch (gradient accumulation).")
+  entropy_coef: float = field(0.0, "Entropy bonus coefficient.", ge=0)
+  ppo_epochs: int = field(1, "Passes over each rollout batch.", ge=1)
+  num_minibatches: int = field(1, "Minibatches per pass.", ge=1)
+  grad_accum: int = field(1, "Micro-batches per minibatch (gradient accumulation).", ge=1)
   use_value_model: bool = field(False, "Train a value model (PPO with GAE).")
   logprob_impl: str = field(
     "fused",
@@ -141,57 +133,59 @@ class AlgoConfig:
   kl_controller: str = field(
     "fixed", "KL coefficient controller: fixed, adaptive (target), budget (target tightening).", choices=KL_CONTROLLERS
   )
-  kl_target: float = field(0.02, "KL target of the adaptive controller (the final budget for 'budget').")
-  kl_budget_start: float = field(0.1, "The budget controller's initial (loose) KL target.")
-  kl_horizon: float = field(10000.0, "Adaptive KL controller horizon in samples (larger reacts slower).")
-  kl_coef_min: float = field(0.05, "Lower bound of the controlled KL coefficient.")
-  kl_coef_max: float = field(0.5, "Upper bound of the controlled KL coefficient.")
+  kl_target: float = field(0.02, "KL target of the adaptive controller (the final budget for 'budget').", gt=0)
+  kl_budget_start: float = field(0.1, "The budget controller's initial (loose) KL target.", gt=0)
+  kl_horizon: float = field(10000.0, "Adaptive KL controller horizon in samples (larger reacts slower).", gt=0)
+  kl_coef_min: float = field(0.05, "Lower bound of the controlled KL coefficient.", gt=0)
+  kl_coef_max: float = field(0.5, "Upper bound of the controlled KL coefficient.", gt=0)
   # ---- entropy
   entropy_controller: str = field(
     "fixed", "Entropy coefficient controller: fixed, or adaptive toward --entropy_target.", choices=ENTROPY_CONTROLLERS
   )
-  entropy_target: float = field(0.5, "Entropy (nats per token) the adaptive controller steers toward.")
-  entropy_lr: float = field(0.001, "Adaptive entropy controller step size.")
-  entropy_coef_max: float = field(0.05, "Upper bound of the adaptive entropy coefficient.")
+  entropy_target: float = field(0.5, "Entropy (nats per token) the adaptive controller steers toward.", ge=0)
+  entropy_lr: float = field(0.001, "Adaptive entropy controller step size.", gt=0)
+  entropy_coef_max: float = field(0.05, "Upper bound of the adaptive entropy coefficient.", ge=0)
   # ---- reward shaping (advantage path only; logged rewards stay raw)
-  reward_clip_low: float = field(0.0, "Clip each batch's rewards at this quantile before the advantages (0: off).")
-  reward_clip_high: float = field(1.0, "Clip each batch's rewards at this quantile before the advantages (1: off).")
-  reward_ema: float = field(0.0, "EMA decay of the reward statistics used to standardise rewards (0: off).")
+  reward_clip_low: float = field(
+    0.0, "Clip each batch's rewards at this quantile before the advantages (0: off).", ge=0, lt=0.5
+  )
+  reward_clip_high: float = field(
+    1.0, "Clip each batch's rewards at this quantile before the advantages (1: off).", gt=0.5, le=1
+  )
+  reward_ema: float = field(0.0, "EMA decay of the reward statistics used to standardise rewards (0: off).", ge=0, lt=1)
   overlong: str = field(
     "none", "Completions hitting the length limit: none, penalty (soft), mask.", choices=OVERLONG_MODES
   )
-  overlong_buffer: int = field(4, "Soft overlong penalty zone (tokens before the limit).")
+  overlong_buffer: int = field(4, "Soft overlong penalty zone (tokens before the limit).", ge=1)
   # ---- phased schedule
   phase_schedule: bool = field(False, "Warm-up / main / fine-tune phases switched by the smoothed reward slope.")
   phase_fracs: str = field("0.1,0.7,0.2", "Step budget fractions of the warm-up, main and fine-tune phases.")
   phase_slope_threshold: float = field(0.01, "Smoothed-reward slope below which the reward is flat.")
-  phase_tolerance: int = field(20, "Consecutive flat steps that end a phase.")
+  phase_tolerance: int = field(20, "Consecutive flat steps that end a phase.", ge=1)
   phase_smoothing: str = field("0.9,0.95,0.97", "Reward-smoothing EMA decay per phase (rising).")
   phase_clip_mults: str = field("1.5,1.0,0.75", "PPO clip range multiplier per phase (loose, then tightening).")
   phase_kl_mults: str = field("1.0,1.0,2.0", "KL coefficient multiplier per phase (raised in fine-tune).")
   # ---- value model (PPO)
-  value_learning_rate: float = field(1e-4, "Value model peak learning rate (its own optimizer).")
-  gae_gamma: float = field(0.99, "GAE discount.")
-  gae_lambda: float = field(0.95, "GAE lambda.")
-  value_clip: float = field(0.2, "Clip range of the value loss.")
-  value_warmup_steps: int = field(0, "RL steps that train only the value model (the policy waits).")
-  value_updates: int = field(1, "Initial value-model passes per RL step.")
-  value_min_updates: int = field(1, "Fewest value-model passes per step.")
-  value_max_updates: int = field(4, "Most value-model passes per step.")
-  value_window: int = field(8, "Value-loss window of the update-frequency controller (0: fixed passes).")
-  value_fast_drop: float = field(0.2, "Relative value-loss drop over the window that counts as 'falling fast'.")
+  value_learning_rate: float = field(1e-4, "Value model peak learning rate (its own optimizer).", gt=0)
+  gae_gamma: float = field(0.99, "GAE discount.", gt=0, le=1)
+  gae_lambda: float = field(0.95, "GAE lambda.", ge=0, le=1)
+  value_clip: float = field(0.2, "Clip range of the value loss.", gt=0)
+  value_warmup_steps: int = field(0, "RL steps that train only the value model (the policy waits).", ge=0)
+  value_updates: int = field(1, "Initial value-model passes per RL step.", ge=1)
+  value_min_updates: int = field(1, "Fewest value-model passes per step.", ge=1)
+  value_max_updates: int = field(4, "Most value-model passes per step.", ge=1)
+  value_window: int = field(
+    8, "Value-loss window of the update-frequency controller (0: fixed passes).", ge=2, also=(0,)
+  )
+  value_fast_drop: float = field(
+    0.2, "Relative value-loss drop over the window that counts as 'falling fast'.", gt=0, lt=1
+  )
   # ---- DAPO dynamic sampling
   dynamic_sampling: bool = field(False, "Drop groups whose rewards are all equal and refill with fresh prompts.")
-  dynamic_sampling_max_rounds: int = field(3, "Most extra generation rounds per step to refill the batch.")
+  dynamic_sampling_max_rounds: int = field(3, "Most extra generation rounds per step to refill the batch.", ge=0)
 
   def __post_init__(self):
-    check_choices(self)
-    check(0 <= self.clip_low < 1, "clip_low", self.clip_low, "must be in [0, 1)")
-    check(self.clip_high >= 0, "clip_high", self.clip_high, "must be >= 0")
-    check(self.clip_c > 1, "clip_c", self.clip_c, "must be > 1")
-    check(self.kl_coef >= 0, "kl_coef", self.kl_coef, "must be >= 0")
-    for name in ("ppo_epochs", "num_minibatches", "grad_accum", "value_updates", "value_min_updates"):
-      check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+    check_fields(self)
     check(
       self.advantage != "gae" or self.use_value_model,
       "advantage",
@@ -204,9 +198,12 @@ class AlgoConfig:
       self.use_value_model,
       f"the value model is only used by --advantage=gae (got --advantage={self.advantage})",
     )
-    for name in ("kl_target", "kl_budget_start", "kl_horizon"):
-      check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
-    check(0 < self.kl_coef_min <= self.kl_coef_max, "kl_coef_min", self.kl_coef_min, "must be in (0, kl_coef_max]")
+    check(
+      self.kl_coef_min <= self.kl_coef_max,
+      "kl_coef_min",
+      self.kl_coef_min,
+      f"must be <= --kl_coef_max={self.kl_coef_max}",
+    )
     if self.kl_controller != "fixed":
       check(self.kl_coef > 0, "kl_controller", self.kl_controller, "needs a reference: set --kl_coef > 0")
       check(
@@ -215,13 +212,6 @@ class AlgoConfig:
         self.kl_coef,
         f"a controlled coefficient starts inside [kl_coef_min, kl_coef_max] = [{self.kl_coef_min}, {self.kl_coef_max}]",
       )
-    check(self.entropy_coef >= 0, "entropy_coef", self.entropy_coef, "must be >= 0")
-    check(self.entropy_lr > 0, "entropy_lr", self.entropy_lr, "must be > 0")
-    check(self.entropy_coef_max >= 0, "entropy_coef_max", self.entropy_coef_max, "must be >= 0")
-    check(0 <= self.reward_clip_low < 0.5, "reward_clip_low", self.reward_clip_low, "must be in [0, 0.5)")
-    check(0.5 < self.reward_clip_high <= 1, "reward_clip_high", self.reward_clip_high, "must be in (0.5, 1]")
-    check(0 <= self.reward_ema < 1, "reward_ema", self.reward_ema, "must be in [0, 1)")
-    check(self.overlong_buffer >= 1, "overlong_buffer", self.overlong_buffer, "must be >= 1")
     fracs = parse_float_list("phase_fracs", self.phase_fracs, 3)
     check(
       all(f > 0 for f in fracs) and abs(sum(fracs) - 1) < 1e-6,
@@ -238,31 +228,17 @@ class AlgoConfig:
       self.phase_smoothing,
       "EMA decays must be in [0, 1)",
     )
-    check(self.phase_tolerance >= 1, "phase_tolerance", self.phase_tolerance, "must be >= 1")
-    check(self.value_learning_rate > 0, "value_learning_rate", self.value_learning_rate, "must be > 0")
-    check(0 < self.gae_gamma <= 1, "gae_gamma", self.gae_gamma, "must be in (0, 1]")
-    check(0 <= self.gae_lambda <= 1, "gae_lambda", self.gae_lambda, "must be in [0, 1]")
-    check(self.value_clip > 0, "value_clip", self.value_clip, "must be > 0")
-    check(self.value_warmup_steps >= 0, "value_warmup_steps", self.value_warmup_steps, "must be >= 0")
     check(
       self.value_min_updates <= self.value_updates <= self.value_max_updates,
       "value_updates",
       self.value_updates,
       f"must be in [value_min_updates, value_max_updates] = [{self.value_min_updates}, {self.value_max_updates}]",
     )
-    check(self.value_window == 0 or self.value_window >= 2, "value_window", self.value_window, "must be 0 or >= 2")
-    check(0 < self.value_fast_drop < 1, "value_fast_drop", self.value_fast_drop, "must be in (0, 1)")
     check(
       not self.dynamic_sampling or self.advantage != "gae",
       "dynamic_sampling",
       self.dynamic_sampling,
       "drops all-equal groups, which only group-relative estimators have (not --advantage=gae)",
-    )
-    check(
-      self.dynamic_sampling_max_rounds >= 0,
-      "dynamic_sampling_max_rounds",
-      self.dynamic_sampling_max_rounds,
-      "must be >= 0",
     )
 
   @property
@@ -275,28 +251,29 @@ class AlgoConfig:
 class OptimConfig:
   """AdamW with warm-up and cosine decay, global-norm clipping."""
 
-  learning_rate: float = field(1e-5, "Peak learning rate.")
-  warmup_steps: int = field(0, "Linear warm-up steps from 0.")
+  learning_rate: float = field(1e-5, "Peak learning rate.", gt=0)
+  warmup_steps: int = field(0, "Linear warm-up steps from 0.", ge=0)
   lr_schedule: str = field("cosine", "Decay after warm-up.", choices=("cosine", "constant"))
-  weight_decay: float = field(0.0, "AdamW weight decay.")
-  adam_b1: float = field(0.9, "Adam beta1.")
-  adam_b2: float = field(0.999, "Adam beta2.")
-  grad_clip: float = field(1.0, "Global-norm gradient clip (0: off).")
+  weight_decay: float = field(0.0, "AdamW weight decay.", ge=0)
+  adam_b1: float = field(0.9, "Adam beta1.", ge=0, lt=1)
+  adam_b2: float = field(0.999, "Adam beta2.", ge=0, lt=1)
+  grad_clip: float = field(1.0, "Global-norm gradient clip (0: off).", ge=0)
   grad_clip_mode: str = field(
     "fixed",
     "fixed threshold, or lr_linked: the threshold scales with the LR's ratio to its peak.",
     choices=("fixed", "lr_linked"),
   )
-  sft_learning_rate: float = field(1e-3, "Peak learning rate of the supervised warm-start phase.")
+  sft_learning_rate: float = field(1e-3, "Peak learning rate of the supervised warm-start phase.", gt=0)
+  master_dtype: str = field(
+    "float32",
+    "Dtype of the optimizer's master copy of the weights and of its moments. With bfloat16 parameters "
+    "the update goes to a float32 copy (bfloat16 alone rounds small updates away); bfloat16 keeps "
+    "no copy.",
+    choices=("float32", "bfloat16"),
+  )
 
   def __post_init__(self):
-    check_choices(self)
-    check(self.learning_rate > 0, "learning_rate", self.learning_rate, "must be > 0")
-    check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
-    check(0 <= self.adam_b1 < 1, "adam_b1", self.adam_b1, "must be in [0, 1)")
-    check(0 <= self.adam_b2 < 1, "adam_b2", self.adam_b2, "must be in [0, 1)")
-    check(self.grad_clip >= 0, "grad_clip", self.grad_clip, "must be >= 0")
-    check(self.sft_learning_rate > 0, "sft_learning_rate", self.sft_learning_rate, "must be > 0")
+    check_fields(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,13 +284,16 @@ class DataConfig:
   data_path: str = field("", "Training prompts file (gsm8k/humaneval/jsonl); empty: the shipped sample.")
   eval_data_path: str = field("", "Held-out prompts file (gsm8k/humaneval/jsonl); empty: the shipped sample.")
   tokenizer_path: str = field("", "Tokenizer (.model, tokenizer.json or an HF directory); empty: built-in.")
-  prompts_per_step: int = field(8, "Prompts per training step (each sampled num_samples times).")
-  eval_prompts: int = field(64, "Held-out prompts per evaluation.")
+  prompts_per_step: int = field(8, "Prompts per training step (each sampled num_samples times).", ge=1)
+  eval_prompts: int = field(64, "Held-out prompts per evaluation.", ge=0)
   arith_levels: str = field("1,2", "Difficulty levels of the built-in arithmetic task (comma-separated).")
   arith_reverse: bool = field(False, "Built-in arithmetic: answers written least-significant digit first.")
-  sft_batch_size: int = field(32, "Demonstrations per supervised warm-start step.")
+  sft_batch_size: int = field(32, "Demonstrations per supervised warm-start step.", ge=1)
   sft_wrong_fraction: float = field(
-    0.0, "Fraction of carry problems whose warm-start demonstration shows the no-carry mistake (arith)."
+    0.0,
+    "Fraction of carry problems whose warm-start demonstration shows the no-carry mistake (arith).",
+    ge=0,
+    le=1,
   )
   tfds_dir: str = field(
     "",
@@ -322,23 +302,21 @@ class DataConfig:
   jsonl_fields: str = field(
     "prompt=prompt,answer=answer", "--task=jsonl: which JSONL fields hold the prompt and answer."
   )
-  reward_workers: int = field(0, "Reward worker processes with per-sample timeouts (0: in-process).")
-  reward_timeout_s: float = field(10.0, "Per-sample reward time limit in the workers (seconds).")
+  reward_workers: int = field(0, "Reward worker processes with per-sample timeouts (0: in-process).", ge=0)
+  reward_timeout_s: float = field(10.0, "Per-sample reward time limit in the workers (seconds).", gt=0)
   reward_normalize: str = field(
     "none", "Reward components: mixed raw, or standardised per task first.", choices=("none", "task_running")
   )
-  format_reward_weight: float = field(0.0, "Weight of the math format component (0: logged only).")
+  format_reward_weight: float = field(0.0, "Weight of the math format component (0: logged only).", ge=0)
   reward_model: str = field("", "Reward-model run directory (rewards.reward_model) added as a reward component.")
-  reward_model_weight: float = field(1.0, "Weight of the reward-model component.")
+  reward_model_weight: float = field(1.0, "Weight of the reward-model component.", ge=0)
   reward_hacking_probe: bool = field(False, "Code tasks: track completions a naive checker would pass (logged only).")
   curriculum: bool = field(False, "Prefer prompts whose pass rate is in --curriculum_band (from a larger pool).")
   curriculum_band: str = field("0.4,0.7", "Target pass-rate band of the curriculum.")
-  curriculum_pool: int = field(256, "Candidate prompts the curriculum chooses from (refreshed from the task).")
+  curriculum_pool: int = field(256, "Candidate prompts the curriculum chooses from (refreshed from the task).", ge=1)
 
   def __post_init__(self):
-    check_choices(self)
-    check(self.reward_workers >= 0, "reward_workers", self.reward_workers, "must be >= 0")
-    check(self.reward_timeout_s > 0, "reward_timeout_s", self.reward_timeout_s, "must be > 0")
+    check_fields(self)
     band = parse_float_list("curriculum_band", self.curriculum_band, 2)
     check(
       0 <= band[0] < band[1] <= 1,
@@ -346,36 +324,30 @@ class DataConfig:
       self.curriculum_band,
       "expected low,high with 0 <= low < high <= 1",
     )
-    check(self.curriculum_pool >= 1, "curriculum_pool", self.curriculum_pool, "must be >= 1")
-    check(self.prompts_per_step >= 1, "prompts_per_step", self.prompts_per_step, "must be >= 1")
-    check(self.eval_prompts >= 0, "eval_prompts", self.eval_prompts, "must be >= 0")
     levels = parse_int_list("arith_levels", self.arith_levels)
     check(all(1 <= v <= 4 for v in levels), "arith_levels", self.arith_levels, "levels are 1..4")
-    check(self.sft_batch_size >= 1, "sft_batch_size", self.sft_batch_size, "must be >= 1")
-    check(0 <= self.sft_wrong_fraction <= 1, "sft_wrong_fraction", self.sft_wrong_fraction, "must be in [0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
   """Orbax checkpoints of the train state."""
 
-  checkpoint_every: int = field(0, "Save every N steps, SFT and RL (0: only at phase ends).")
-  keep_last: int = field(3, "Newest checkpoints to keep.")
-  keep_every: int = field(0, "Also keep every checkpoint whose step is a multiple of this (0: none).")
+  checkpoint_every: int = field(0, "Save every N steps, SFT and RL (0: only at phase ends).", ge=0)
+  keep_last: int = field(3, "Newest checkpoints to keep.", ge=1)
+  keep_every: int = field(0, "Also keep every checkpoint whose step is a multiple of this (0: none).", ge=0)
   async_save: bool = field(True, "Write checkpoints in the background while training continues.")
   resume: bool = field(True, "Resume from the run directory's latest intact checkpoint if there is one.")
-  rollback_to: int = field(-1, "Restore the full state of this RL step (dropping later checkpoints) and continue.")
-  max_bad_steps: int = field(3, "Roll back to the last good checkpoint after this many consecutive non-finite steps.")
+  rollback_to: int = field(
+    -1, "Restore the full state of this RL step (dropping later checkpoints) and continue (-1: off).", ge=0, also=(-1,)
+  )
+  max_bad_steps: int = field(
+    3, "Roll back to the last good checkpoint after this many consecutive non-finite steps.", ge=1
+  )
   rollback_reset_optimizer: bool = field(False, "Re-initialise the optimizer state when rolling back.")
-  rollback_lr_factor: float = field(0.5, "Multiply the learning rate by this after a non-finite rollback.")
+  rollback_lr_factor: float = field(0.5, "Multiply the learning rate by this after a non-finite rollback.", gt=0, le=1)
 
   def __post_init__(self):
-    check(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every, "must be >= 0")
-    check(self.keep_last >= 1, "keep_last", self.keep_last, "must be >= 1")
-    check(self.keep_every >= 0, "keep_every", self.keep_every, "must be >= 0")
-    check(self.rollback_to >= -1, "rollback_to", self.rollback_to, "must be -1 (off) or a step >= 0")
-    check(self.max_bad_steps >= 1, "max_bad_steps", self.max_bad_steps, "must be >= 1")
-    check(0 < self.rollback_lr_factor <= 1, "rollback_lr_factor", self.rollback_lr_factor, "must be in (0, 1]")
+    check_fields(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,11 +355,11 @@ class LoggingConfig:
   """Where and how often the run reports."""
 
   run_dir: str = field("", "Run directory (default runs/<experiment>-<timestamp>).")
-  log_every: int = field(1, "Print a progress line every N steps.")
+  log_every: int = field(1, "Print a progress line every N steps.", ge=1)
   tensorboard: bool = field(True, "Write TensorBoard event files.")
 
   def __post_init__(self):
-    check(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
+    check_fields(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,21 +371,16 @@ class RunConfig:
     "train", "What to run: train (SFT warm-start + RL) or smoke (a forward pass).", choices=("train", "smoke")
   )
   seed: int = field(0, "Random seed of the whole run.")
-  max_steps: int = field(10, "RL steps.")
-  sft_steps: int = field(0, "Supervised warm-start steps before RL.")
-  eval_every: int = field(0, "Evaluate every N steps (0: only at the start and end).")
-  eval_samples: int = field(8, "Samples per held-out prompt for pass@k (k = 1 and this number).")
-  eval_temperature: float = field(1.0, "Sampling temperature of the pass@k evaluation.")
+  max_steps: int = field(10, "RL steps.", ge=0)
+  sft_steps: int = field(0, "Supervised warm-start steps before RL.", ge=0)
+  eval_every: int = field(0, "Evaluate every N steps (0: only at the start and end).", ge=0)
+  eval_samples: int = field(8, "Samples per held-out prompt for pass@k (k = 1 and this number).", ge=1)
+  eval_temperature: float = field(1.0, "Sampling temperature of the pass@k evaluation.", gt=0)
   dry_run: bool = field(False, "Build and AOT-compile everything abstractly, print memory, exit.")
   debug_nan_steps: str = field("", "Fault injection for tests: RL steps (comma-separated) whose advantages are NaN.")
 
   def __post_init__(self):
-    check_choices(self)
-    check(self.max_steps >= 0, "max_steps", self.max_steps, "must be >= 0")
-    check(self.sft_steps >= 0, "sft_steps", self.sft_steps, "must be >= 0")
-    check(self.eval_every >= 0, "eval_every", self.eval_every, "must be >= 0")
-    check(self.eval_samples >= 1, "eval_samples", self.eval_samples, "must be >= 1")
-    check(self.eval_temperature > 0, "eval_temperature", self.eval_temperature, "must be > 0")
+    check_fields(self)
     if self.debug_nan_steps:
       parse_int_list("debug_nan_steps", self.debug_nan_steps)
 

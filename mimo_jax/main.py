@@ -5,11 +5,16 @@ in :mod:`mimo_jax.config` is a flat flag of the same name; the flags are parsed 
 turned into a frozen :class:`~mimo_jax.config.Config`, validated (before any compute),
 and the config is passed down.  Later flags override earlier ones, so
 ``--flagfile=x.flags --seed=3`` overrides the flagfile's seed.
+
+Flagfiles (and the flagfiles they name on ``--flagfile=`` lines) are read and checked here
+before absl parses them: a file that is not valid UTF-8 is refused with its name and the
+byte position of the first bad byte, rather than a decoding traceback from inside absl.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -17,6 +22,9 @@ from collections.abc import Sequence
 from absl import flags
 
 from mimo_jax.config import CONCERN_CLASSES, Config, ConfigError, validate
+from mimo_jax.config_base import field_range
+
+_UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -26,6 +34,9 @@ def define_flags(fv: flags.FlagValues) -> None:
       if not f.metadata.get("flag", True):
         continue
       help_text = f"[{concern}] {f.metadata.get('help', '')}"
+      allowed = field_range(f)
+      if allowed is not None:
+        help_text += f" Allowed: {allowed.describe()}."
       default, choices = f.default, f.metadata.get("choices")
       if choices and all(isinstance(c, str) for c in choices):
         flags.DEFINE_enum(f.name, default, list(choices), help_text, flag_values=fv)
@@ -50,19 +61,97 @@ def config_from_flags(fv: flags.FlagValues) -> Config:
   return Config(**parts)
 
 
+def _flagfile_directive(arg: str) -> str | None:
+  """The file named by a ``--flagfile=<path>`` directive (absl's spellings), else None."""
+  for prefix in ("--flagfile=", "-flagfile="):
+    if arg.startswith(prefix):
+      return os.path.expanduser(arg[len(prefix) :].strip())
+  return None
+
+
+def check_flagfile(path: str, stack: tuple[str, ...] = ()) -> None:
+  """Checks that a flagfile, and every flagfile it names, is valid UTF-8 text.
+
+  absl decodes flagfiles with the locale's encoding and raises a bare
+  ``UnicodeDecodeError`` on bad bytes; reading them here first turns that into a named
+  error.  Files are found exactly as absl finds them (the same directive spellings,
+  comment lines skipped, ``~`` expanded, circular inclusion ignored); a file that cannot
+  be opened is left for absl to report.
+
+  Args:
+    path: the flagfile.
+    stack: the flagfiles that include this one (for the message and cycle detection).
+
+  Raises:
+    ConfigError: naming the flagfile (and its includers), the byte offset, line and
+      column of the first byte that is not UTF-8, or a leading byte-order mark.
+  """
+  if not path or path in stack:
+    return
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except OSError:
+    return  # absl reports unreadable flagfiles itself
+  where = f"--flagfile={path}" + "".join(f" (included from {p})" for p in reversed(stack))
+  if data.startswith(_UTF8_BOM):
+    raise ConfigError(f"{where}: starts with a UTF-8 byte-order mark; save the file as UTF-8 without BOM")
+  try:
+    text = data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = data.count(b"\n", 0, e.start) + 1
+    column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+    bad = data[e.start : e.end].hex(" ")
+    raise ConfigError(
+      f"{where}: not valid UTF-8 at byte {e.start} (line {line}, column {column}: byte(s) 0x{bad}, {e.reason}); "
+      "flagfiles must be UTF-8 text"
+    ) from None
+  # absl reads the file with universal newlines and tests each line as read.
+  for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n"):
+    if line.startswith(("#", "//")):
+      continue
+    nested = _flagfile_directive(line)
+    if nested is not None:
+      check_flagfile(nested, (*stack, path))
+
+
+def check_flagfiles(argv: Sequence[str]) -> None:
+  """Runs :func:`check_flagfile` on every flagfile a command line names (``argv[0]`` is the program).
+
+  Both ``--flagfile=<path>`` and ``--flagfile <path>`` are followed, up to a ``--``.
+  """
+  args = list(argv[1:])
+  i = 0
+  while i < len(args):
+    arg = args[i]
+    if arg == "--":
+      break
+    if arg in ("--flagfile", "-flagfile") and i + 1 < len(args):
+      check_flagfile(os.path.expanduser(args[i + 1]))
+      i += 2
+      continue
+    path = _flagfile_directive(arg)
+    if path is not None:
+      check_flagfile(path)
+    i += 1
+
+
 def parse_config(argv: Sequence[str]) -> Config:
   """Parses a command line (``argv[0]`` is the program name) into a validated Config.
 
   Raises:
-    ConfigError: unknown flag, malformed value or invalid combination; the message
-      names the flag and what is allowed.
+    ConfigError: unknown flag, malformed value or invalid combination, or a flagfile
+      that is not UTF-8; the message names the flag (or file) and what is allowed.
   """
+  check_flagfiles(argv)
   fv = flags.FlagValues()
   define_flags(fv)
   try:
     rest = fv(list(argv))
   except flags.Error as e:
     raise ConfigError(str(e)) from None
+  except UnicodeDecodeError as e:  # a flagfile that changed after check_flagfiles, or a non-UTF-8 locale
+    raise ConfigError(f"a flagfile could not be decoded: {e}") from None
   if len(rest) > 1:
     raise ConfigError(f"unexpected positional arguments: {rest[1:]}")
   return config_from_flags(fv)

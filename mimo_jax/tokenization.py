@@ -10,9 +10,13 @@ Conventions shared by both backends:
   way BOS/EOS get in.  Backends that would add them implicitly (HF post-processors) are
   told not to, so prompts are never double-prefixed.
 * ``decode`` with ``skip_special=True`` drops exactly the pad/BOS/EOS ids, identically
-  for both backends, and rejects ids outside the vocabulary instead of silently
-  rendering garbage (a sampler emitting an id past the real vocabulary is a bug worth
-  surfacing: padded embedding tables make that easy to hit).
+  for both backends, and rejects ids outside the vocabulary (and values that are not
+  integers) with a :class:`TokenIdError` naming the id and its position, instead of
+  silently rendering garbage or failing inside a backend.  The vocabulary policy: a model
+  whose vocabulary is larger than the tokenizer's (padded embedding tables) must never
+  emit the extra ids; the sampler guarantees it with
+  ``SamplingParams(vocab_limit=tokenizer.vocab_size)``, and decode refuses them loudly
+  should one get through.
 * ``pad_id`` is always a valid id (falls back to EOS), so padded arrays can be fed to an
   embedding lookup without masking the ids first.
 
@@ -26,6 +30,7 @@ import abc
 import dataclasses
 import io
 import json
+import operator
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -41,6 +46,7 @@ __all__ = [
   "HFTokenizer",
   "PaddedBatch",
   "SentencePieceTokenizer",
+  "TokenIdError",
   "Tokenizer",
   "bucket_length",
   "load_tokenizer",
@@ -50,6 +56,10 @@ __all__ = [
 CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant")
 
 PathLike = str | os.PathLike[str]
+
+
+class TokenIdError(ValueError):
+  """An id given to :meth:`Tokenizer.decode` that is not an integer in ``[0, vocab_size)``."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -211,7 +221,8 @@ class Tokenizer(abc.ABC):
       The decoded string.
 
     Raises:
-      ValueError: if an id is negative or ``>= vocab_size``; the message names it.
+      TokenIdError: (a ``ValueError``) if an id is not an integer, is negative or is
+        ``>= vocab_size``; the message names the id and its position.
     """
     checked = self._check_ids(ids)
     if skip_special:
@@ -295,12 +306,27 @@ class Tokenizer(abc.ABC):
   # ---- helpers -------------------------------------------------------------------
 
   def _check_ids(self, ids: Sequence[int]) -> list[int]:
-    raw = ids.reshape(-1).tolist() if isinstance(ids, np.ndarray) else ids
-    out = [int(i) for i in raw]
+    if hasattr(ids, "__array__") and not isinstance(ids, (list, tuple)):
+      ids = np.asarray(ids)  # numpy and jax arrays
+    if isinstance(ids, np.ndarray):
+      if ids.dtype.kind not in "iub":
+        raise TokenIdError(f"token ids must be integers, got an array of dtype {ids.dtype}")
+      raw = ids.reshape(-1).tolist()
+    else:
+      raw = ids
+    out = []
+    for pos, i in enumerate(raw):
+      try:
+        out.append(operator.index(i))
+      except TypeError:
+        raise TokenIdError(f"token id {i!r} at position {pos} is not an integer") from None
     n = self.vocab_size
     for pos, i in enumerate(out):
       if i < 0 or i >= n:
-        raise ValueError(f"token id {i} at position {pos} is outside the vocabulary [0, {n})")
+        raise TokenIdError(
+          f"token id {i} at position {pos} is outside the vocabulary [0, {n}) of this tokenizer; a model whose "
+          f"vocabulary is larger must not sample such ids (sample with SamplingParams(vocab_limit={n}))"
+        )
     return out
 
 

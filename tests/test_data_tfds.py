@@ -1,4 +1,4 @@
-"""Tests for ``mimo_jax.data.tfds_sources``: TFDS builders over local files and the resumable index stream."""
+"""Tests for ``mimo_jax.tasks.tfds_sources``: TFDS builders over local files and the resumable index stream."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from mimo_jax.data import tfds_sources
-from mimo_jax.data.tfds_sources import (
+from mimo_jax.tasks import humaneval, tfds_sources
+from mimo_jax.tasks.arith import ArithTask
+from mimo_jax.tasks.gsm8k import DEFAULT_TEST_PATH, DEFAULT_TRAIN_PATH, load_gsm8k_jsonl
+from mimo_jax.tasks.tfds_sources import (
   ArithSpec,
   Gsm8kBuilder,
   JsonlSourceConfig,
@@ -21,9 +23,6 @@ from mimo_jax.data.tfds_sources import (
   load_prompt_source,
   prepare_builder,
 )
-from mimo_jax.tasks import humaneval
-from mimo_jax.tasks.arith import ArithTask
-from mimo_jax.tasks.gsm8k import DEFAULT_TEST_PATH, DEFAULT_TRAIN_PATH, load_gsm8k_jsonl
 
 # Rows in the generated "full-size" GSM8K file (the size of the official test split).
 LARGE_GSM8K_ROWS = 1319
@@ -196,7 +195,7 @@ def test_malformed_rows_are_counted_logged_and_stored(tmp_path, caplog) -> None:
     _gsm8k_row(4),
   ]
   path = _write_lines(tmp_path / "bad.jsonl", lines)
-  with caplog.at_level(logging.WARNING, logger="mimo_jax.data.tfds_sources"):
+  with caplog.at_level(logging.WARNING, logger="mimo_jax.tasks.tfds_sources"):
     source = load_prompt_source("gsm8k", path, tmp_path / "cache", split="train")
   assert source.num_malformed == 3
   assert [r["question"] for r in source] == [_gsm8k_row(i)["question"] for i in range(5)]
@@ -229,6 +228,34 @@ def test_each_kind_of_malformed_row(tmp_path, bad_line: bytes, reason: str) -> N
   source = load_prompt_source("gsm8k", path, tmp_path / "cache", split="train")
   assert len(source) == 2 and source.num_malformed == 1
   assert source.first_malformed["line"] == 2 and reason in source.first_malformed["reason"]
+
+
+def test_every_malformed_kind_is_counted_and_stored_and_a_bom_is_accepted(tmp_path, caplog) -> None:
+  bad_lines = {
+    "invalid_utf8": b'{"question": "caf\xe9?", "answer": "#### 1"}',
+    "lone_surrogate": b'{"question": "broken \\ud800 text?", "answer": "#### 2"}',
+    "too_deep": b"[" * 100_000 + b"]" * 100_000,
+    "invalid_json": b"{not json",
+    "not_object": b"[1, 2]",
+    "missing_field": b'{"answer": "#### 3"}',
+    "not_string": b'{"question": 5, "answer": "#### 3"}',
+    "empty_field": b'{"question": " ", "answer": "#### 3"}',
+    "failed_check": b'{"question": "q?", "answer": "no final answer"}',
+  }
+  lines: list[object] = [b"\xef\xbb\xbf" + json.dumps(_gsm8k_row(0)).encode()]
+  for i, raw in enumerate(bad_lines.values(), start=1):
+    lines += [raw, _gsm8k_row(i)]
+  path = _write_lines(tmp_path / "kinds.jsonl", lines)
+  with caplog.at_level(logging.WARNING, logger="mimo_jax.tasks.tfds_sources"):
+    source = load_prompt_source("gsm8k", path, tmp_path / "cache", split="train")
+  assert [r["question"] for r in source] == [_gsm8k_row(i)["question"] for i in range(len(bad_lines) + 1)]
+  assert source.num_malformed == len(bad_lines)
+  assert source.malformed_by_kind == dict.fromkeys(bad_lines, 1)
+  assert source.first_malformed["line"] == 2 and source.first_malformed["kind"] == "invalid_utf8"
+  assert "too_deep=1" in caplog.text and "lone_surrogate=1" in caplog.text
+  # Stored in metadata.json: a cached load reports the same breakdown.
+  again = load_prompt_source("gsm8k", path, tmp_path / "cache", split="train")
+  assert again.malformed_by_kind == source.malformed_by_kind and len(again) == len(source)
 
 
 def test_all_bad_file_raises_naming_it(tmp_path) -> None:

@@ -151,3 +151,176 @@ def test_load_places_shards_directly(tmp_path):
   # [L, D, N, H] = [4, 64, 4, 16]: D over fsdp (2), N over tensor (4).
   assert w_q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
   assert {s.data.shape for s in w_q.addressable_shards} == {(4, 32, 1, 16)}
+
+
+# ----------------------------------------------------------------------------
+# Checkpoints validated at the door: tensors, config values, safetensors headers
+# ----------------------------------------------------------------------------
+
+
+def _rewrite_tensors(path, change):
+  """Applies ``change(tensors)`` to the ``model.safetensors`` of a checkpoint directory."""
+  from mimo_jax.models.hf import SafetensorsFile, write_safetensors
+
+  f = SafetensorsFile(str(path / "model.safetensors"))
+  tensors = {k: np.array(f.get(k)) for k in f.keys()}
+  del f
+  change(tensors)
+  write_safetensors(str(path / "model.safetensors"), tensors)
+
+
+def _edit_config(path, **changes):
+  cfg = json.loads((path / "config.json").read_text())
+  cfg.update(changes)
+  (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_transposed_k_proj_is_refused_naming_tensor_and_shapes(tmp_path):
+  save_random_hf_model(str(tmp_path), arch="llama")
+  name = "model.layers.1.self_attn.k_proj.weight"  # not layer 0: every layer is checked
+
+  def transpose(tensors):
+    tensors[name] = np.ascontiguousarray(tensors[name].T)
+
+  _rewrite_tensors(tmp_path, transpose)
+  # [K*H, D] = [32, 64] stored as [64, 32]: the old reshape-based check let this through.
+  with pytest.raises(ValueError, match=rf"tensor {name} has shape \(64, 32\), expected \(32, 64\)"):
+    load_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+  "name, shape",
+  [
+    ("model.embed_tokens.weight", (127, 64)),
+    ("model.layers.0.mlp.down_proj.weight", (96, 64)),
+    ("model.norm.weight", (65,)),
+  ],
+)
+def test_wrong_tensor_shapes_are_refused(tmp_path, name, shape):
+  save_random_hf_model(str(tmp_path), arch="llama")
+
+  def reshape(tensors):
+    tensors[name] = np.zeros(shape, np.float32)
+
+  _rewrite_tensors(tmp_path, reshape)
+  with pytest.raises(ValueError, match=rf"tensor {name} has shape \({shape[0]},"):
+    load_hf(str(tmp_path))
+
+
+def test_integer_tensor_dtype_is_refused(tmp_path):
+  save_random_hf_model(str(tmp_path), arch="llama")
+  name = "model.layers.0.input_layernorm.weight"
+
+  def to_int(tensors):
+    tensors[name] = tensors[name].astype(np.int32)
+
+  _rewrite_tensors(tmp_path, to_int)
+  with pytest.raises(ValueError, match=rf"tensor {name} has dtype I32, expected a floating-point dtype"):
+    load_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+  "changes, pattern",
+  [
+    ({"rms_norm_eps": float("nan")}, r"rms_norm_eps=nan must be a finite number > 0"),
+    ({"rms_norm_eps": 0.0}, r"rms_norm_eps=0\.0 must be a finite number > 0"),
+    ({"rms_norm_eps": -1e-6}, r"rms_norm_eps=-1e-06 must be a finite number > 0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -10000.0}}, r"rope_theta=-10000\.0 must be"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, r"rope_theta=0 must be a finite number > 0"),
+    (
+      {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": float("inf")}},
+      r"factor=inf must be a finite number > 0",
+    ),
+    ({"hidden_size": 0}, r"hidden_size=0 must be a positive integer"),
+    ({"vocab_size": -5}, r"vocab_size=-5 must be a positive integer"),
+    ({"num_hidden_layers": 2.5}, r"num_hidden_layers=2\.5 must be a positive integer"),
+    ({"intermediate_size": True}, r"intermediate_size=True must be a positive integer"),
+    ({"num_key_value_heads": 3}, r"num_key_value_heads=3 must divide num_attention_heads=4"),
+    ({"num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": None}, r"hidden_size=64 must be divisible"),
+    ({"head_dim": 15}, r"head_dim=15 must be even"),
+    ({"max_position_embeddings": 0}, r"max_position_embeddings=0 must be a positive integer"),
+    ({"tie_word_embeddings": "false"}, r"tie_word_embeddings='false' must be true or false"),
+  ],
+)
+def test_bad_config_values_are_refused_naming_the_field(tmp_path, changes, pattern):
+  save_random_hf_model(str(tmp_path), arch="llama")
+  _edit_config(tmp_path, **changes)
+  with pytest.raises(ValueError, match=r"config\.json.*" + pattern):
+    load_hf(str(tmp_path))
+
+
+def test_model_config_refuses_non_finite_numerics():
+  from mimo_jax.config_base import ConfigError
+  from mimo_jax.models.config import RopeScaling, tiny
+
+  with pytest.raises(ConfigError, match=r"rms_norm_eps=nan: must be a finite number > 0"):
+    tiny().replace(rms_norm_eps=float("nan"))
+  with pytest.raises(ConfigError, match=r"rope_theta=-1\.0: must be a finite number > 0"):
+    tiny().replace(rope_theta=-1.0)
+  with pytest.raises(ConfigError, match=r"max_seq_len=0: must be a positive integer"):
+    tiny().replace(max_seq_len=0)
+  with pytest.raises(ConfigError, match=r"rope_scaling\.factor=nan"):
+    RopeScaling("linear", float("nan"))
+
+
+def _write_raw_safetensors(path, header_len: int, body: bytes = b"", size: int | None = None):
+  import struct
+
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", header_len))
+    f.write(body)
+    if size is not None:
+      f.truncate(size)  # sparse: no real disk use
+
+
+def test_safetensors_header_longer_than_the_file_is_refused(tmp_path):
+  from mimo_jax.models.hf import SafetensorsFile
+
+  path = tmp_path / "x.safetensors"
+  _write_raw_safetensors(path, 2**62, b"{}")  # reading this header used to raise MemoryError
+  with pytest.raises(ValueError, match=r"header length 4611686018427387904 bytes exceeds the 104857600-byte limit"):
+    SafetensorsFile(str(path))
+  _write_raw_safetensors(path, 1000, b"{}")
+  with pytest.raises(ValueError, match=r"header length 1000 bytes is larger than the rest of the file \(2 bytes"):
+    SafetensorsFile(str(path))
+
+
+def test_safetensors_header_above_the_cap_is_refused_even_if_the_file_is_larger(tmp_path):
+  from mimo_jax.models.hf import MAX_HEADER_BYTES, SafetensorsFile
+
+  path = tmp_path / "big.safetensors"
+  _write_raw_safetensors(path, MAX_HEADER_BYTES + 1, b"{", size=MAX_HEADER_BYTES + 64)
+  with pytest.raises(ValueError, match="exceeds the 104857600-byte limit"):
+    SafetensorsFile(str(path))
+
+
+@pytest.mark.parametrize(
+  "header, pattern",
+  [
+    (b"\xff\xfe", "not valid UTF-8 JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 800]}}).encode(), "data_offsets"),
+    (json.dumps({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}).encode(), "needs 12"),
+    (json.dumps({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}).encode(), "non-negative"),
+  ],
+)
+def test_corrupt_safetensors_headers_are_refused(tmp_path, header, pattern):
+  from mimo_jax.models.hf import SafetensorsFile
+
+  path = tmp_path / "x.safetensors"
+  _write_raw_safetensors(path, len(header), header + b"\0" * 8)
+  with pytest.raises(ValueError, match=pattern):
+    SafetensorsFile(str(path))
+
+
+def test_index_naming_a_file_outside_the_directory_is_refused(tmp_path):
+  save_random_hf_model(str(tmp_path / "src"), arch="llama")
+  model = load_hf(str(tmp_path / "src"))
+  save_hf(model, str(tmp_path / "dst"), max_shard_bytes=20_000)
+  index = tmp_path / "dst" / "model.safetensors.index.json"
+  data = json.loads(index.read_text())
+  first = next(iter(data["weight_map"]))
+  data["weight_map"][first] = "../src/model.safetensors"
+  index.write_text(json.dumps(data))
+  with pytest.raises(ValueError, match=r"not a file name inside"):
+    load_hf(str(tmp_path / "dst"))

@@ -246,3 +246,79 @@ def test_greedy_matches_transformers_generate(tmp_path, arch):
         pad_token_id=0,
       )
     assert list(np.asarray(out.completion_tokens[i])) == ref[0, len(p) :].tolist(), f"prompt {i}"
+
+
+# ----------------------------------------------------------------------------
+# Vocabulary limit: a model vocabulary larger than the tokenizer's
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (3, 1.0), (0, 0.9), (40, 0.95)])
+def test_sample_tokens_never_picks_ids_past_the_vocab_limit(top_k, top_p):
+  V, limit, B = 32, 20, 512
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(B, V)).astype(np.float32)
+  logits[:, limit:] += 8.0  # the padded ids are by far the most likely
+  temps = jnp.asarray(np.where(np.arange(B) % 4 == 0, 0.0, 1.0), jnp.float32)  # greedy rows too
+  keys = jax.random.split(jax.random.key(0), B)
+  fn = jax.jit(sample_tokens, static_argnames=("top_k", "top_p", "vocab_limit"))
+  tok, lp, slp = fn(jnp.asarray(logits), keys, temps, top_k=top_k, top_p=top_p, vocab_limit=limit)
+  tok = np.asarray(tok)
+  assert tok.max() < limit
+  # Greedy picks the best allowed id; logprob stays the full-vocabulary policy.
+  greedy = np.asarray(temps) == 0
+  np.testing.assert_array_equal(tok[greedy], logits[greedy, :limit].argmax(-1))
+  full = jax.nn.log_softmax(jnp.asarray(logits), -1)
+  np.testing.assert_allclose(np.asarray(lp), np.asarray(full)[np.arange(B), tok], atol=1e-5)
+  # The sampler log-prob is that of the renormalised allowed set (no top-k/p: all of [0, limit)).
+  if top_k == 0 and top_p == 1.0:
+    allowed = jax.nn.log_softmax(jnp.asarray(logits[:, :limit]), -1)
+    np.testing.assert_allclose(np.asarray(slp)[~greedy], np.asarray(allowed)[np.arange(B), tok][~greedy], atol=1e-5)
+  # Without the limit the padded ids win almost always: the test above is not vacuous.
+  unlimited, _, _ = fn(jnp.asarray(logits), keys, temps, top_k=top_k, top_p=top_p, vocab_limit=0)
+  assert (np.asarray(unlimited) >= limit).mean() > 0.9
+
+
+def test_sampler_never_generates_ids_past_the_vocab_limit():
+  limit = 200
+  model = Transformer(tiny(), rngs=nnx.Rngs(4))  # vocab 256: 56 ids the "tokenizer" lacks
+  w = model.lm_head_dv[...]
+  model.lm_head_dv[...] = w.at[:, limit:].multiply(40.0)  # make the padded ids dominate
+  sampler = Sampler(model)
+  tokens, mask = left_pad(PROMPTS, 16, 0)
+  kw = dict(num_samples=4, max_len=12, key=jax.random.key(1))
+  for temperature in (0.0, 1.0):
+    free = sampler.generate(tokens, mask, sampling=SamplingParams(), temperature=temperature, **kw)
+    assert (np.asarray(free.completion_tokens) >= limit).any()  # the hazard is real
+    out = sampler.generate(
+      tokens, mask, sampling=SamplingParams(stop_ids=(3,), vocab_limit=limit), temperature=temperature, **kw
+    )
+    toks = np.asarray(out.completion_tokens)[np.asarray(out.completion_mask)]
+    assert toks.size and toks.max() < limit
+    # The recorded log-probs are still the full policy's, so the trainer's recompute agrees.
+    np.testing.assert_allclose(sampler.per_token_logps(out), out.logprobs, atol=2e-5)
+  # The limit is static: a new batch with the same params compiles nothing.
+  with count_compilations() as c:
+    sampler.generate(
+      tokens,
+      mask,
+      sampling=SamplingParams(stop_ids=(3,), vocab_limit=limit),
+      temperature=1.0,
+      **{**kw, "key": jax.random.key(9)},
+    )
+  assert c.count == 0
+
+
+def test_convenience_generate_takes_a_vocab_limit(model):
+  out = generate(model, PROMPTS, max_new_tokens=8, temperature=1.0, num_samples=2, seed=3, vocab_limit=7)
+  assert np.asarray(out.completion_tokens).max() < 7
+
+
+def test_sampling_params_check_the_vocab_limit():
+  from mimo_jax.config_base import ConfigError
+
+  with pytest.raises(ConfigError, match="vocab_limit=-1"):
+    SamplingParams(vocab_limit=-1)
+  with pytest.raises(ConfigError, match=r"stop_ids=\[300\]: must be ids below vocab_limit=256"):
+    SamplingParams(stop_ids=(2, 300), vocab_limit=256)
+  assert SamplingParams(stop_ids=(2,), pad_id=0, vocab_limit=256).vocab_limit == 256

@@ -185,6 +185,72 @@ def test_gold_answer() -> None:
   assert gold_answer("#### five") is None
 
 
+def _good(i: int) -> bytes:
+  return json.dumps(_row(f"Good question {i}?", f"{i} + 0 = {i}\n#### {i}")).encode("utf-8")
+
+
+# One line per malformed-row kind; several of these used to abort the whole file.
+BAD_LINES: list[tuple[str, bytes]] = [
+  ("invalid_utf8", b'{"question": "caf\xe9?", "answer": "#### 1"}'),  # Latin-1 bytes
+  ("lone_surrogate", b'{"question": "broken \\ud800 text?", "answer": "#### 2"}'),
+  ("lone_surrogate", b'{"\\udc00": 1, "question": "Key with a surrogate?", "answer": "#### 2"}'),
+  ("too_deep", b"[" * 100_000 + b"]" * 100_000),
+  ("invalid_json", b'{"question": "q?", "answer": ' + b"1" * 5000 + b"}"),  # beyond int()'s digit limit
+  ("invalid_json", b"\xef\xbb\xbf" + json.dumps(_row("BOM inside the file?")).encode()),
+  ("invalid_json", b"{not json"),
+  ("not_object", b'["a", "list"]'),
+  ("missing_field", b'{"answer": "#### 3"}'),
+  ("not_string", b'{"question": 5, "answer": "#### 3"}'),
+  ("empty_field", b'{"question": "   ", "answer": "#### 3"}'),
+  ("failed_check", b'{"question": "No marker?", "answer": "It is 4."}'),
+]
+
+
+def _mixed_file(path: os.PathLike[str] | str) -> str:
+  """A leading UTF-8 BOM, then good rows interleaved with one bad line of every kind."""
+  lines = [b"\xef\xbb\xbf" + _good(0)]
+  for i, (_, bad) in enumerate(BAD_LINES, start=1):
+    lines += [bad, _good(i)]
+  with open(path, "wb") as f:
+    f.write(b"\n".join(lines) + b"\n")
+  return os.fspath(path)
+
+
+def test_every_kind_of_malformed_row_is_counted_without_losing_good_rows(tmp_path, caplog) -> None:
+  path = _mixed_file(tmp_path / "mixed.jsonl")
+  with caplog.at_level(logging.WARNING, logger=gsm8k.__name__):
+    rows, bad = load_gsm8k_jsonl(path)
+  # The BOM row is accepted and every good row survives, in order.
+  assert [r["question"] for r in rows] == [f"Good question {i}?" for i in range(len(BAD_LINES) + 1)]
+  expected: dict[str, int] = {}
+  for kind, _ in BAD_LINES:
+    expected[kind] = expected.get(kind, 0) + 1
+  assert bad == len(BAD_LINES) and bad.by_kind == expected
+  assert bad.first is not None and bad.first[0] == 2 and "UTF-8" in bad.first[1]
+  message = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+  assert f"skipped {len(BAD_LINES)} malformed GSM8K row(s); first at line 2" in message
+  assert "invalid_utf8=1" in message and "too_deep=1" in message and "lone_surrogate=2" in message
+  task = GSM8KTask(train_path=path)
+  assert task.num_malformed_train.by_kind == expected and task.num_train == len(BAD_LINES) + 1
+
+
+def test_malformed_count_survives_pickling() -> None:
+  import pickle
+
+  from mimo_jax.tasks.splits import MalformedCount
+
+  count = MalformedCount({"invalid_json": 2, "too_deep": 1}, (3, "invalid JSON"))
+  again = pickle.loads(pickle.dumps(count))
+  assert again == 3 and again.by_kind == count.by_kind and again.first == (3, "invalid JSON")
+
+
+def test_all_malformed_file_names_the_kinds(tmp_path) -> None:
+  path = tmp_path / "bad.jsonl"
+  path.write_bytes(b"\xff\n[1]\n")
+  with pytest.raises(ValueError, match=r"no usable GSM8K rows \(2 malformed\): invalid_utf8=1, not_object=1"):
+    load_gsm8k_jsonl(path)
+
+
 # ---- construction options -----------------------------------------------------------------
 
 

@@ -166,6 +166,17 @@ def test_malformed_rows_are_counted_and_logged(
   assert reason in caplog.text
 
 
+def test_gzip_file_with_bom_and_bad_bytes_keeps_good_rows(tmp_path: os.PathLike[str]) -> None:
+  good = [json.dumps(_row(name)).encode() for name in ("a", "b", "c")]
+  raw = b"\n".join([b"\xef\xbb\xbf" + good[0], b'{"prompt": "\xe9"}', good[1], b"[" * 50_000, good[2]]) + b"\n"
+  packed = os.path.join(tmp_path, "rows.jsonl.gz")
+  with gzip.open(packed, "wb") as f:
+    f.write(raw)
+  rows, bad = load_humaneval_jsonl(packed)
+  assert [r["entry_point"] for r in rows] == ["a", "b", "c"]
+  assert bad == 2 and bad.by_kind == {"invalid_utf8": 1, "too_deep": 1}
+
+
 def test_no_usable_rows_is_an_error(tmp_path: os.PathLike[str]) -> None:
   path = _write_jsonl(os.path.join(tmp_path, "bad.jsonl"), ["{", "", "[]"])
   with pytest.raises(ValueError, match=r"no usable HumanEval rows \(2 malformed\)"):

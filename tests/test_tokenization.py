@@ -489,3 +489,30 @@ def test_load_tokenizer_errors(tmp_path: Path) -> None:
   other.write_text("a\nb\n")
   with pytest.raises(ValueError, match=r"vocab\.txt.*'\.model'.*'tokenizer\.json'"):
     load_tokenizer(os.fspath(other))
+
+
+# ---- vocabulary policy: ids past the tokenizer's vocabulary -------------------------------
+
+
+def test_decode_of_ids_past_the_vocabulary_is_a_named_error_on_both_backends(sp_tok: SentencePieceTokenizer) -> None:
+  from mimo_jax.tokenization import HFTokenizer, TokenIdError
+
+  hf_tok = HFTokenizer(_word_level_tokenizer(), eos_id=2, bos_id=1, pad_id=0)
+  for tok in (sp_tok, hf_tok):
+    n = tok.vocab_size
+    # A padded model vocabulary (here 64 ids past the tokenizer's) and an absurd id.
+    for bad in (n, n + 63, 2**40):
+      with pytest.raises(TokenIdError, match=rf"token id {bad} at position 2 is outside the vocabulary \[0, {n}\)"):
+        tok.decode(np.asarray([tok.eos_id, 4, bad], dtype=np.int64))
+      with pytest.raises(ValueError, match=rf"vocab_limit={n}"):
+        tok.decode([4, 4, bad], skip_special=False)
+
+
+def test_decode_refuses_non_integer_ids(sp_tok: SentencePieceTokenizer) -> None:
+  from mimo_jax.tokenization import TokenIdError
+
+  with pytest.raises(TokenIdError, match=r"token id 4\.5 at position 1 is not an integer"):
+    sp_tok.decode([4, 4.5])
+  with pytest.raises(TokenIdError, match="dtype float32"):
+    sp_tok.decode(np.asarray([4.0, 5.0], np.float32))
+  assert sp_tok.decode(np.asarray([], np.int32)) == ""

@@ -8,8 +8,10 @@ optional q/k/v (and o) bias, tied or untied embeddings.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 from mimo_jax.config_base import ConfigError, check, check_choice
 
@@ -39,8 +41,17 @@ class RopeScaling:
 
   def __post_init__(self):
     check_choice("rope_scaling", self.kind, ("linear", "llama3"))
-    check(self.factor > 0, "rope_scaling.factor", self.factor, "must be > 0")
+    check(_finite_positive(self.factor), "rope_scaling.factor", self.factor, "must be a finite number > 0")
     if self.kind == "llama3":
+      for name in ("low_freq_factor", "high_freq_factor"):
+        value = getattr(self, name)
+        check(_finite_positive(value), f"rope_scaling.{name}", value, "must be a finite number > 0")
+      check(
+        _positive_int(self.original_max_position),
+        "rope_scaling.original_max_position",
+        self.original_max_position,
+        "must be a positive integer",
+      )
       check(
         self.high_freq_factor > self.low_freq_factor,
         "rope_scaling.high_freq_factor",
@@ -94,8 +105,12 @@ class ModelConfig:
   remat: RematPolicy = "none"
 
   def __post_init__(self):
-    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
-      check(getattr(self, name) > 0, name, getattr(self, name), "must be a positive integer")
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim", "max_seq_len"):
+      check(_positive_int(getattr(self, name)), name, getattr(self, name), "must be a positive integer")
+    if self.head_dim is not None:
+      check(_positive_int(self.head_dim), "head_dim", self.head_dim, "must be a positive integer (or None)")
+    check(_finite_positive(self.rope_theta), "rope_theta", self.rope_theta, "must be a finite number > 0")
+    check(_finite_positive(self.rms_norm_eps), "rms_norm_eps", self.rms_norm_eps, "must be a finite number > 0")
     check(
       self.num_heads % self.num_kv_heads == 0,
       "num_kv_heads",
@@ -121,6 +136,14 @@ class ModelConfig:
   def replace(self, **changes) -> ModelConfig:
     return dataclasses.replace(self, **changes)
 
+  @classmethod
+  def from_dict(cls, fields: dict[str, Any]) -> ModelConfig:
+    """The inverse of ``dataclasses.asdict`` (as stored in checkpoint metadata, via JSON)."""
+    fields = dict(fields)
+    if fields.get("rope_scaling"):
+      fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    return cls(**fields)
+
   def num_params(self, *, with_value_head: bool = False) -> int:
     """Exact parameter count (matches Hugging Face's count for the same architecture)."""
     D, F, V, H = self.d_model, self.mlp_dim, self.vocab_size, self.resolved_head_dim
@@ -137,6 +160,14 @@ class ModelConfig:
     if with_value_head:
       total += D + 1
     return total
+
+
+def _positive_int(x) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x > 0
+
+
+def _finite_positive(x) -> bool:
+  return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 # ----------------------------------------------------------------------------

@@ -10,6 +10,14 @@ On-disk format written by :func:`save_hf`: ``config.json`` (transformers 5 spell
 ``rope_parameters``) and ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors``
 plus ``model.safetensors.index.json`` above ``max_shard_bytes``), tensors named and
 laid out exactly as ``transformers`` expects (``[out, in]`` linear weights).
+
+Everything read from a checkpoint directory is checked before it is used: the
+safetensors header (its length against the file and a :data:`MAX_HEADER_BYTES` cap, its
+JSON, each tensor's dtype, shape and byte range), the index's file names, the values in
+``config.json`` (positive integer sizes, heads that divide, a finite positive
+``rms_norm_eps`` and ``rope_theta``), and every tensor's dtype and shape against the
+config, all before any tensor data is read.  Each problem is a ``ValueError`` naming the
+file, field or tensor and what was expected.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
+import numbers
 import os
 import struct
 from collections.abc import Callable, Mapping
@@ -52,20 +62,47 @@ _ST_TO_NP = {
   "BOOL": np.dtype(np.bool_),
 }
 _NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
+# Tensor dtypes a model parameter may be stored in.
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+# The largest safetensors JSON header accepted (the reference implementation's limit).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
 class SafetensorsFile:
-  """A memory-mapped safetensors file; ``get`` returns zero-copy numpy views."""
+  """A memory-mapped safetensors file; ``get`` returns zero-copy numpy views.
+
+  The header is validated on open (see :func:`_check_header`), so a corrupt or hostile
+  file fails with a ``ValueError`` naming it instead of a ``MemoryError`` or an
+  out-of-bounds read later.
+  """
 
   def __init__(self, path: str):
     self.path = path
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
       raw = f.read(8)
       if len(raw) != 8:
         raise ValueError(f"{path}: not a safetensors file (truncated header)")
       (header_len,) = struct.unpack("<Q", raw)
-      header = json.loads(f.read(header_len))
+      if header_len > MAX_HEADER_BYTES:
+        raise ValueError(
+          f"{path}: safetensors header length {header_len} bytes exceeds the {MAX_HEADER_BYTES}-byte limit "
+          "(corrupt or not a safetensors file)"
+        )
+      if header_len > size - 8:
+        raise ValueError(
+          f"{path}: safetensors header length {header_len} bytes is larger than the rest of the file "
+          f"({size - 8} bytes; truncated or not a safetensors file)"
+        )
+      blob = f.read(header_len)
+    try:
+      header = json.loads(blob.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+      raise ValueError(f"{path}: safetensors header is not valid UTF-8 JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(header, dict):
+      raise ValueError(f"{path}: safetensors header must be a JSON object, got {type(header).__name__}")
     header.pop("__metadata__", None)
+    _check_header(path, header, size - 8 - header_len)
     self._header = header
     self._data_start = 8 + header_len
     self._mmap = np.memmap(path, dtype=np.uint8, mode="r")
@@ -73,8 +110,15 @@ class SafetensorsFile:
   def keys(self) -> list[str]:
     return list(self._header)
 
+  def __contains__(self, name: str) -> bool:
+    return name in self._header
+
   def shape(self, name: str) -> tuple[int, ...]:
     return tuple(self._header[name]["shape"])
+
+  def dtype(self, name: str) -> str:
+    """The tensor's safetensors dtype code (``F32``, ``BF16``, ...)."""
+    return self._header[name]["dtype"]
 
   def get(self, name: str) -> np.ndarray:
     info = self._header[name]
@@ -84,6 +128,45 @@ class SafetensorsFile:
     begin, end = info["data_offsets"]
     buf = self._mmap[self._data_start + begin : self._data_start + end]
     return buf.view(dtype).reshape(info["shape"])
+
+
+def _check_header(path: str, header: Mapping[str, Any], data_bytes: int) -> None:
+  """Checks every tensor entry of a safetensors header; raises ValueError naming the tensor.
+
+  Each entry needs a ``dtype`` string, a ``shape`` of non-negative integers and
+  ``data_offsets`` ``[begin, end]`` inside the data section whose length matches the
+  shape (for the dtypes this module reads).
+  """
+  for name, info in header.items():
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(info, dict):
+      raise ValueError(f"{where}: header entry must be an object, got {type(info).__name__}")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str):
+      raise ValueError(f"{where}: header entry has no dtype string")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+      raise ValueError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+    if (
+      not isinstance(offsets, list)
+      or len(offsets) != 2
+      or not all(_is_int(o) for o in offsets)
+      or not 0 <= offsets[0] <= offsets[1] <= data_bytes
+    ):
+      raise ValueError(
+        f"{where}: data_offsets {offsets!r} must be [begin, end] with 0 <= begin <= end <= {data_bytes} "
+        "(the data section's size)"
+      )
+    if dtype in _ST_TO_NP:
+      expected = math.prod(shape) * _ST_TO_NP[dtype].itemsize
+      if offsets[1] - offsets[0] != expected:
+        raise ValueError(
+          f"{where}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, but {dtype} {tuple(shape)} "
+          f"needs {expected}"
+        )
+
+
+def _is_int(x: Any) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
 
 
 def write_safetensors(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> None:
@@ -123,9 +206,22 @@ class CheckpointReader:
     index = os.path.join(path, "model.safetensors.index.json")
     self._where: dict[str, SafetensorsFile] = {}
     if os.path.exists(index):
-      with open(index) as f:
-        weight_map = json.load(f)["weight_map"]
+      try:
+        with open(index, encoding="utf-8") as f:
+          weight_map = json.load(f)["weight_map"]
+      except (UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as e:
+        raise ValueError(f"{index}: not a safetensors index with a weight_map ({type(e).__name__}: {e})") from None
+      if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+      ):
+        raise ValueError(f"{index}: weight_map must map tensor names to file names")
+      for fn in set(weight_map.values()):
+        if not fn or os.path.basename(fn) != fn or fn in (".", ".."):
+          raise ValueError(f"{index}: weight_map names {fn!r}, which is not a file name inside {path}")
       files = {fn: SafetensorsFile(os.path.join(path, fn)) for fn in sorted(set(weight_map.values()))}
+      for name, fn in weight_map.items():
+        if name not in files[fn]:
+          raise ValueError(f"{index}: tensor {name!r} is mapped to {fn}, which does not hold it")
       self._where = {name: files[fn] for name, fn in weight_map.items()}
     elif os.path.exists(single):
       f = SafetensorsFile(single)
@@ -144,38 +240,86 @@ class CheckpointReader:
   def get(self, name: str) -> np.ndarray:
     return self._where[name].get(name)
 
+  def shape(self, name: str) -> tuple[int, ...]:
+    """The tensor's shape as stored (from the header; no data is read)."""
+    return self._where[name].shape(name)
+
+  def dtype(self, name: str) -> str:
+    """The tensor's safetensors dtype code (from the header; no data is read)."""
+    return self._where[name].dtype(name)
+
 
 # ----------------------------------------------------------------------------
 # config.json <-> ModelConfig
 # ----------------------------------------------------------------------------
 
 
+def _hf_int(hf: Mapping[str, Any], key: str, default: Any = None, *, where: str = "config.json") -> int:
+  """``hf[key]`` (or ``default`` when absent or null) as a positive integer; ValueError naming the field."""
+  value = hf.get(key)
+  if value is None:
+    value = default
+  if value is None:
+    raise ValueError(f"{where}: required field {key!r} is missing")
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+    raise ValueError(f"{where}: {key}={value!r} must be a positive integer")
+  return int(value)
+
+
+def _hf_float(hf: Mapping[str, Any], key: str, default: float | None = None, *, where: str = "config.json") -> float:
+  """``hf[key]`` (or ``default`` when absent or null) as a finite float > 0; ValueError naming the field."""
+  value = hf.get(key)
+  if value is None:
+    value = default
+  if value is None:
+    raise ValueError(f"{where}: required field {key!r} is missing")
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+    raise ValueError(f"{where}: {key}={value!r} must be a finite number > 0")
+  return float(value)
+
+
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
   params = hf.get("rope_parameters")
+  if params is not None and not isinstance(params, Mapping):
+    raise ValueError(f"config.json: rope_parameters must be an object, got {type(params).__name__}")
+  scaling = hf.get("rope_scaling")
+  if params is None and scaling is not None and not isinstance(scaling, Mapping):
+    raise ValueError(f"config.json: rope_scaling must be an object or null, got {type(scaling).__name__}")
   if isinstance(params, Mapping) and "rope_theta" not in params and "rope_type" not in params:
     raise ValueError("config.json: per-layer-type rope_parameters are not supported")
   if params is None:
     params = dict(hf.get("rope_scaling") or {})
     params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-  theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  outer_theta = hf.get("rope_theta")
+  theta = _hf_float(params, "rope_theta", 10000.0 if outer_theta is None else outer_theta)
   kind = params.get("rope_type", params.get("type", "default"))
   if kind in ("default", None):
     return theta, None
+  where = "config.json: rope parameters"
   if kind == "linear":
-    return theta, RopeScaling("linear", float(params["factor"]))
+    return theta, RopeScaling("linear", _hf_float(params, "factor", where=where))
   if kind == "llama3":
     return theta, RopeScaling(
       "llama3",
-      float(params["factor"]),
-      float(params["low_freq_factor"]),
-      float(params["high_freq_factor"]),
-      int(params["original_max_position_embeddings"]),
+      _hf_float(params, "factor", where=where),
+      _hf_float(params, "low_freq_factor", where=where),
+      _hf_float(params, "high_freq_factor", where=where),
+      _hf_int(params, "original_max_position_embeddings", where=where),
     )
   raise ValueError(f"config.json: rope type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
 def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", compute_dtype: str | None = None) -> ModelConfig:
-  """Converts a Hugging Face ``config.json`` dict to a :class:`ModelConfig`."""
+  """Converts a Hugging Face ``config.json`` dict to a :class:`ModelConfig`.
+
+  Raises:
+    ValueError: an unsupported architecture or option, or a value that is out of range
+      (non-positive sizes, key/value heads that do not divide the heads, an odd head
+      dimension, a non-finite or non-positive ``rms_norm_eps``/``rope_theta``/RoPE factor);
+      the message names the ``config.json`` field.
+  """
+  if not isinstance(hf, Mapping):
+    raise ValueError(f"config.json: must be a JSON object, got {type(hf).__name__}")
   archs = hf.get("architectures") or []
   arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(hf.get("model_type"))
   if arch not in SUPPORTED_ARCHITECTURES:
@@ -190,27 +334,47 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", compute_dty
   if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
     raise ValueError("config.json: use_sliding_window=true is not supported")
   theta, scaling = _rope_from_hf(hf)
-  heads = hf["num_attention_heads"]
+  vocab = _hf_int(hf, "vocab_size")
+  hidden = _hf_int(hf, "hidden_size")
+  layers = _hf_int(hf, "num_hidden_layers")
+  heads = _hf_int(hf, "num_attention_heads")
+  kv_heads = _hf_int(hf, "num_key_value_heads", heads)
+  mlp = _hf_int(hf, "intermediate_size")
+  max_pos = _hf_int(hf, "max_position_embeddings", 2048)
+  if heads % kv_heads:
+    raise ValueError(f"config.json: num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
+  if hf.get("head_dim") is None and hidden % heads:
+    raise ValueError(
+      f"config.json: hidden_size={hidden} must be divisible by num_attention_heads={heads} when head_dim is not set"
+    )
+  head_dim = _hf_int(hf, "head_dim", hidden // heads)
+  if head_dim % 2:
+    raise ValueError(f"config.json: head_dim={head_dim} must be even (rotary embeddings rotate pairs)")
+  eps = _hf_float(hf, "rms_norm_eps", 1e-6)
+  for key in ("attention_bias", "tie_word_embeddings"):
+    if hf.get(key) is not None and not isinstance(hf[key], bool):
+      raise ValueError(f"config.json: {key}={hf[key]!r} must be true or false")
   if arch == "Qwen2ForCausalLM":
     qkv_bias, o_bias = True, False
   else:
     qkv_bias = o_bias = bool(hf.get("attention_bias", False))
+  name = hf.get("_name_or_path")
   return ModelConfig(
-    name=hf.get("_name_or_path") or arch,
-    vocab_size=hf["vocab_size"],
-    d_model=hf["hidden_size"],
-    num_layers=hf["num_hidden_layers"],
+    name=name if isinstance(name, str) and name else arch,
+    vocab_size=vocab,
+    d_model=hidden,
+    num_layers=layers,
     num_heads=heads,
-    num_kv_heads=hf.get("num_key_value_heads") or heads,
-    head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-    mlp_dim=hf["intermediate_size"],
+    num_kv_heads=kv_heads,
+    head_dim=head_dim,
+    mlp_dim=mlp,
     rope_theta=theta,
     rope_scaling=scaling,
-    rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+    rms_norm_eps=eps,
     qkv_bias=qkv_bias,
     o_bias=o_bias,
     tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+    max_seq_len=max_pos,
     param_dtype=dtype,
     dtype=compute_dtype or dtype,
   )
@@ -269,6 +433,7 @@ class _Mapping:
   hf_name: str  # may contain "{i}" for the layer index
   to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray]
   to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+  hf_shape: Callable[[ModelConfig], tuple[int, ...]]  # the tensor's shape in the checkpoint
 
   @property
   def stacked(self) -> bool:
@@ -313,26 +478,62 @@ def _o_to_hf(x, cfg):
   return x.reshape(-1, cfg.d_model).T
 
 
+def _vd(c: ModelConfig) -> tuple[int, ...]:
+  return (c.vocab_size, c.d_model)
+
+
+def _d(c: ModelConfig) -> tuple[int, ...]:
+  return (c.d_model,)
+
+
+def _nh(c: ModelConfig) -> int:
+  return c.num_heads * c.resolved_head_dim
+
+
+def _kh(c: ModelConfig) -> int:
+  return c.num_kv_heads * c.resolved_head_dim
+
+
 _LAYER = "model.layers.{i}."
 _MAPPINGS: dict[tuple[str, ...], _Mapping] = {
-  ("decoder", "embed_vd"): _Mapping("model.embed_tokens.weight", _identity, _identity),
-  ("decoder", "final_norm", "scale"): _Mapping("model.norm.weight", _identity, _identity),
-  ("lm_head_dv",): _Mapping("lm_head.weight", _transpose, _transpose),
-  ("decoder", "layers", "attn_norm", "scale"): _Mapping(_LAYER + "input_layernorm.weight", _identity, _identity),
+  ("decoder", "embed_vd"): _Mapping("model.embed_tokens.weight", _identity, _identity, _vd),
+  ("decoder", "final_norm", "scale"): _Mapping("model.norm.weight", _identity, _identity, _d),
+  ("lm_head_dv",): _Mapping("lm_head.weight", _transpose, _transpose, _vd),
+  ("decoder", "layers", "attn_norm", "scale"): _Mapping(_LAYER + "input_layernorm.weight", _identity, _identity, _d),
   ("decoder", "layers", "mlp_norm", "scale"): _Mapping(
-    _LAYER + "post_attention_layernorm.weight", _identity, _identity
+    _LAYER + "post_attention_layernorm.weight", _identity, _identity, _d
   ),
-  ("decoder", "layers", "attn", "w_q_dnh"): _Mapping(_LAYER + "self_attn.q_proj.weight", *_proj_in("num_heads")),
-  ("decoder", "layers", "attn", "w_k_dkh"): _Mapping(_LAYER + "self_attn.k_proj.weight", *_proj_in("num_kv_heads")),
-  ("decoder", "layers", "attn", "w_v_dkh"): _Mapping(_LAYER + "self_attn.v_proj.weight", *_proj_in("num_kv_heads")),
-  ("decoder", "layers", "attn", "w_o_nhd"): _Mapping(_LAYER + "self_attn.o_proj.weight", _o_to_ours, _o_to_hf),
-  ("decoder", "layers", "attn", "b_q_nh"): _Mapping(_LAYER + "self_attn.q_proj.bias", *_bias("num_heads")),
-  ("decoder", "layers", "attn", "b_k_kh"): _Mapping(_LAYER + "self_attn.k_proj.bias", *_bias("num_kv_heads")),
-  ("decoder", "layers", "attn", "b_v_kh"): _Mapping(_LAYER + "self_attn.v_proj.bias", *_bias("num_kv_heads")),
-  ("decoder", "layers", "attn", "b_o_d"): _Mapping(_LAYER + "self_attn.o_proj.bias", _identity, _identity),
-  ("decoder", "layers", "mlp", "w_gate_df"): _Mapping(_LAYER + "mlp.gate_proj.weight", _transpose, _transpose),
-  ("decoder", "layers", "mlp", "w_up_df"): _Mapping(_LAYER + "mlp.up_proj.weight", _transpose, _transpose),
-  ("decoder", "layers", "mlp", "w_down_fd"): _Mapping(_LAYER + "mlp.down_proj.weight", _transpose, _transpose),
+  ("decoder", "layers", "attn", "w_q_dnh"): _Mapping(
+    _LAYER + "self_attn.q_proj.weight", *_proj_in("num_heads"), lambda c: (_nh(c), c.d_model)
+  ),
+  ("decoder", "layers", "attn", "w_k_dkh"): _Mapping(
+    _LAYER + "self_attn.k_proj.weight", *_proj_in("num_kv_heads"), lambda c: (_kh(c), c.d_model)
+  ),
+  ("decoder", "layers", "attn", "w_v_dkh"): _Mapping(
+    _LAYER + "self_attn.v_proj.weight", *_proj_in("num_kv_heads"), lambda c: (_kh(c), c.d_model)
+  ),
+  ("decoder", "layers", "attn", "w_o_nhd"): _Mapping(
+    _LAYER + "self_attn.o_proj.weight", _o_to_ours, _o_to_hf, lambda c: (c.d_model, _nh(c))
+  ),
+  ("decoder", "layers", "attn", "b_q_nh"): _Mapping(
+    _LAYER + "self_attn.q_proj.bias", *_bias("num_heads"), lambda c: (_nh(c),)
+  ),
+  ("decoder", "layers", "attn", "b_k_kh"): _Mapping(
+    _LAYER + "self_attn.k_proj.bias", *_bias("num_kv_heads"), lambda c: (_kh(c),)
+  ),
+  ("decoder", "layers", "attn", "b_v_kh"): _Mapping(
+    _LAYER + "self_attn.v_proj.bias", *_bias("num_kv_heads"), lambda c: (_kh(c),)
+  ),
+  ("decoder", "layers", "attn", "b_o_d"): _Mapping(_LAYER + "self_attn.o_proj.bias", _identity, _identity, _d),
+  ("decoder", "layers", "mlp", "w_gate_df"): _Mapping(
+    _LAYER + "mlp.gate_proj.weight", _transpose, _transpose, lambda c: (c.mlp_dim, c.d_model)
+  ),
+  ("decoder", "layers", "mlp", "w_up_df"): _Mapping(
+    _LAYER + "mlp.up_proj.weight", _transpose, _transpose, lambda c: (c.mlp_dim, c.d_model)
+  ),
+  ("decoder", "layers", "mlp", "w_down_fd"): _Mapping(
+    _LAYER + "mlp.down_proj.weight", _transpose, _transpose, lambda c: (c.d_model, c.mlp_dim)
+  ),
 }
 
 # Tensors that checkpoints may carry and that we knowingly do not use.
@@ -383,10 +584,17 @@ def load_hf(
     The model, every parameter already in its sharding.
 
   Raises:
-    ValueError: unsupported architecture/options, or tensors missing from the checkpoint.
+    ValueError: unsupported architecture/options, out-of-range ``config.json`` values,
+      a corrupt safetensors file, or tensors missing from the checkpoint or of the wrong
+      dtype or shape for the config (the message names the tensor, the expected and the
+      actual shape).
   """
-  with open(os.path.join(path, "config.json")) as f:
-    hf_cfg = json.load(f)
+  config_path = os.path.join(path, "config.json")
+  try:
+    with open(config_path, encoding="utf-8") as f:
+      hf_cfg = json.load(f)
+  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    raise ValueError(f"{config_path}: not valid UTF-8 JSON ({type(e).__name__}: {e})") from None
   cfg = config_from_hf(hf_cfg, dtype=dtype, compute_dtype=compute_dtype)
   if config_overrides:
     cfg = cfg.replace(**config_overrides)
@@ -409,6 +617,7 @@ def load_hf(
   if missing:
     shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
     raise ValueError(f"{path}: checkpoint is missing tensors required by {cfg.name}: {shown}")
+  check_tensors(reader, cfg, [key for key, _ in variables], where=path)
 
   if mesh is not None:
     shardings = state_shardings(abs_state, mesh, rules)
@@ -435,10 +644,6 @@ def load_hf(
         out = converted(m.hf_name, key)[index]
       return out.astype(target_dtype)
 
-    expected = shape[1:] if m.stacked else shape
-    got = converted(m.hf_name.format(i=0), key).shape
-    if tuple(got) != tuple(expected):
-      raise ValueError(f"{path}: tensor {m.hf_name} has shape {got} after conversion, expected {expected}")
     return jax.make_array_from_callback(shape, sharding_by_key[key], callback)
 
   arrays = {key: make(key, var) for key, var in variables}
@@ -448,6 +653,37 @@ def load_hf(
 
   state = jax.tree_util.tree_map_with_path(fill, abs_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   return nnx.merge(graphdef, state)
+
+
+def check_tensors(reader: CheckpointReader, cfg: ModelConfig, keys: list[tuple[str, ...]], *, where: str) -> None:
+  """Checks the dtype and shape of every checkpoint tensor the parameters ``keys`` need (headers only).
+
+  Every layer's tensor is checked, not only the first, and a transposed tensor is caught
+  even where a reshape would silently accept it.
+
+  Raises:
+    ValueError: listing (up to 5 of) the tensors that are not floating point or whose shape
+      is not the one ``cfg`` implies, with the expected and actual shape.
+  """
+  problems = []
+  for key in keys:
+    m = _mapping_for(key)
+    expected = tuple(m.hf_shape(cfg))
+    for name in [m.hf_name.format(i=i) for i in range(cfg.num_layers)] if m.stacked else [m.hf_name]:
+      dtype, shape = reader.dtype(name), tuple(reader.shape(name))
+      if dtype not in _FLOAT_DTYPES:
+        problems.append(
+          f"tensor {name} has dtype {dtype}, expected a floating-point dtype ({', '.join(_FLOAT_DTYPES)})"
+        )
+      elif shape != expected:
+        problems.append(f"tensor {name} has shape {shape}, expected {expected}")
+  if problems:
+    shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+    raise ValueError(
+      f"{where}: checkpoint tensors do not match config.json (vocab_size={cfg.vocab_size}, "
+      f"hidden_size={cfg.d_model}, intermediate_size={cfg.mlp_dim}, num_attention_heads={cfg.num_heads}, "
+      f"num_key_value_heads={cfg.num_kv_heads}, head_dim={cfg.resolved_head_dim}): {shown}"
+    )
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -424,7 +424,9 @@ class SamplerGenerateFn:
     self.last_key: jax.Array | None = None
     self.num_calls = 0
     stops = (tokenizer.eos_id,) if stop_ids is None else tuple(stop_ids)
-    self.sampling = SamplingParams(top_k=top_k, top_p=top_p, stop_ids=stops, pad_id=tokenizer.pad_id)
+    self.sampling = SamplingParams(
+      top_k=top_k, top_p=top_p, stop_ids=stops, pad_id=tokenizer.pad_id, vocab_limit=tokenizer.vocab_size
+    )
     self.num_rows = num_rows
 
   def _rows(self, n: int, num_samples: int) -> int:

@@ -202,7 +202,14 @@ class Sampler:
       def body(c):
         t, cache, cur_logits, next_pos, done, tokens, logps, slogps, stopped = c
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, t)
-        tok, lp, slp = sample_tokens(cur_logits, step_keys, temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+        tok, lp, slp = sample_tokens(
+          cur_logits,
+          step_keys,
+          temperature,
+          top_k=sampling.top_k,
+          top_p=sampling.top_p,
+          vocab_limit=sampling.vocab_limit,
+        )
         active = ~done
         tok = jnp.where(active, tok, sampling.pad_id)
         tokens = tokens.at[:, t].set(tok)
@@ -275,7 +282,7 @@ class Sampler:
       prompt_mask: bool ``[Np, P]``; every row has at least one real token.
       num_samples: G, samples per prompt (static).
       max_len: M, the static completion buffer length.
-      sampling: static top-k/top-p/stop ids/pad id.
+      sampling: static top-k/top-p/stop ids/pad id/vocabulary limit.
       temperature: a float or ``[Np * G]`` per-row temperatures (0 = greedy); dynamic.
       key: one PRNG key for the whole call.
       max_new_tokens: dynamic limit <= ``max_len`` (default ``max_len``).
@@ -370,6 +377,7 @@ def generate(
   pad_id: int = 0,
   mesh: Mesh | None = None,
   prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
+  vocab_limit: int = 0,
 ) -> RolloutOutput:
   """Generates completions for token-id prompts of any lengths (users and notebooks).
 
@@ -390,6 +398,8 @@ def generate(
     pad_id: token written after a completion ends.
     mesh: the mesh the model's parameters live on, if any.
     prompt_buckets: allowed padded prompt lengths.
+    vocab_limit: never sample ids ``>= vocab_limit`` (the tokenizer's vocabulary size when
+      the model's is larger; 0: no limit).
 
   Returns:
     A :class:`RolloutOutput` with ``len(prompts) * num_samples`` rows;
@@ -411,7 +421,7 @@ def generate(
     mask,
     num_samples=num_samples,
     max_len=max_new_tokens,
-    sampling=SamplingParams(top_k=top_k, top_p=top_p, stop_ids=tuple(stop_ids), pad_id=pad_id),
+    sampling=SamplingParams(top_k=top_k, top_p=top_p, stop_ids=tuple(stop_ids), pad_id=pad_id, vocab_limit=vocab_limit),
     temperature=temperature,
     key=jax.random.key(seed),
   )

@@ -5,9 +5,16 @@ Pure functions of arrays.  Two log-probabilities come back for every sampled tok
 - ``logprob``: under the policy at the sampling temperature, ``log_softmax(logits / T)``
   (``T = 1`` for greedy).  This is the distribution the trainer recomputes and
   optimises; a temperature mismatch here silently biases the importance ratio.
-- ``sampler_logprob``: under the distribution actually sampled from, i.e. after top-k /
-  top-p truncation and renormalisation (0 for greedy, which is deterministic).  Equal
-  to ``logprob`` when no truncation is active.
+- ``sampler_logprob``: under the distribution actually sampled from, i.e. after the
+  vocabulary limit, top-k / top-p truncation and renormalisation (0 for greedy, which is
+  deterministic).  Equal to ``logprob`` when no truncation is active.
+
+Vocabulary policy: a model's embedding table is often padded past its tokenizer's
+vocabulary (to a multiple of 64 or 128, or a checkpoint shared by several tokenizers).
+Ids at or above ``vocab_limit`` (the tokenizer's size) have no text; they are never
+sampled, not even by greedy decoding: their logits are set to ``-inf`` before the argmax,
+top-k/top-p and the draw.  ``logprob`` stays the full-vocabulary policy the trainer
+recomputes (the masked ids only lower it by their share of the probability mass).
 """
 
 from __future__ import annotations
@@ -29,17 +36,36 @@ class SamplingParams:
     top_p: keep the smallest set of tokens whose mass reaches top_p (1: off).
     stop_ids: tokens that end a completion (kept in the completion).
     pad_id: the token written after a completion ends.
+    vocab_limit: only ids ``< vocab_limit`` are ever sampled, normally the tokenizer's
+      ``vocab_size`` when the model's vocabulary is larger (0: no limit; a limit at or
+      above the model's vocabulary changes nothing).
   """
 
   top_k: int = 0
   top_p: float = 1.0
   stop_ids: tuple[int, ...] = ()
   pad_id: int = 0
+  vocab_limit: int = 0
 
   def __post_init__(self):
     check(self.top_k >= 0, "top_k", self.top_k, "must be >= 0")
     check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+    check(self.vocab_limit >= 0, "vocab_limit", self.vocab_limit, "must be >= 0 (0: no limit)")
     object.__setattr__(self, "stop_ids", tuple(int(s) for s in self.stop_ids))
+    object.__setattr__(self, "vocab_limit", int(self.vocab_limit))
+    if self.vocab_limit:
+      for name, ids in (("stop_ids", self.stop_ids), ("pad_id", (int(self.pad_id),))):
+        bad = [i for i in ids if not 0 <= i < self.vocab_limit]
+        check(not bad, name, bad, f"must be ids below vocab_limit={self.vocab_limit}")
+
+
+def limit_vocab(logits_bv: jax.Array, vocab_limit: int) -> jax.Array:
+  """Sets the logits of ids ``>= vocab_limit`` to ``-inf`` (static limit; 0 or >= V: unchanged)."""
+  V = logits_bv.shape[-1]
+  if vocab_limit <= 0 or vocab_limit >= V:
+    return logits_bv
+  valid = jnp.arange(V, dtype=jnp.int32) < vocab_limit
+  return jnp.where(valid, logits_bv, -jnp.inf)
 
 
 def truncate_logits(logits_bv: jax.Array, *, top_k: int, top_p: float) -> jax.Array:
@@ -72,6 +98,7 @@ def sample_tokens(
   *,
   top_k: int = 0,
   top_p: float = 1.0,
+  vocab_limit: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Samples one token per row.
 
@@ -81,6 +108,7 @@ def sample_tokens(
     temperature_b: ``[B]`` float32; ``<= 0`` means greedy for that row.
     top_k: static top-k (0: off).
     top_p: static nucleus mass (1: off).
+    vocab_limit: static; ids ``>= vocab_limit`` are never chosen, greedy included (0: off).
 
   Returns:
     ``(tokens [B] int32, logprob [B] f32, sampler_logprob [B] f32)`` (see module doc).
@@ -90,14 +118,15 @@ def sample_tokens(
   temp = jnp.where(greedy, 1.0, temperature_b).astype(jnp.float32)
   scaled = logits / temp[:, None]
   logp = jax.nn.log_softmax(scaled, axis=-1)
-  truncated = truncate_logits(scaled, top_k=top_k, top_p=top_p)
+  allowed = limit_vocab(scaled, vocab_limit)
+  truncated = truncate_logits(allowed, top_k=top_k, top_p=top_p)
   # All-greedy batches (evaluation) skip the random draw entirely.
   sampled = jax.lax.cond(
     jnp.all(greedy),
     lambda: jnp.zeros(logits.shape[:1], jnp.int32),
     lambda: _inverse_cdf_sample(keys_b, truncated),
   )
-  tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+  tokens = jnp.where(greedy, jnp.argmax(limit_vocab(logits, vocab_limit), axis=-1), sampled).astype(jnp.int32)
   logprob = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
   sampler_logp = jnp.take_along_axis(jax.nn.log_softmax(truncated, axis=-1), tokens[:, None], axis=-1)[:, 0]
   return tokens, logprob, jnp.where(greedy, 0.0, sampler_logp)

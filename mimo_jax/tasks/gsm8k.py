@@ -20,7 +20,6 @@ The verifier is :func:`mimo_jax.rewards.math.answers_match` on the answer that
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from mimo_jax.rewards.math import answers_match, extract_answer, extract_answer_with_source, normalize_number
-from mimo_jax.tasks.splits import SplitTask, content_uid, read_jsonl_rows
+from mimo_jax.tasks.splits import Malformed, SplitTask, check_string_fields, content_uid, read_jsonl_rows
 
 __all__ = [
   "DEFAULT_TEST_PATH",
@@ -76,21 +75,14 @@ def gold_answer(solution: str) -> str | None:
   return found[0]
 
 
-def _row_problem(line: str) -> tuple[dict[str, Any] | None, str]:
-  """Parses one JSONL line; returns (row, "") or (None, reason)."""
-  try:
-    row = json.loads(line)
-  except json.JSONDecodeError as e:
-    return None, f"invalid JSON ({e.msg})"
-  if not isinstance(row, dict):
-    return None, f"not a JSON object but {type(row).__name__}"
-  for key in ("question", "answer"):
-    value = row.get(key)
-    if not isinstance(value, str) or not value.strip():
-      return None, f"missing or empty string field {key!r}"
+def _check_row(row: dict[str, Any]) -> Malformed | None:
+  """Validates one decoded JSONL object; None if usable, else why not."""
+  problem = check_string_fields(row, ("question", "answer"))
+  if problem is not None:
+    return problem
   if gold_answer(row["answer"]) is None:
-    return None, "answer has no '#### <number>' final answer"
-  return row, ""
+    return Malformed("failed_check", "answer has no '#### <number>' final answer")
+  return None
 
 
 def load_gsm8k_jsonl(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]:
@@ -100,20 +92,22 @@ def load_gsm8k_jsonl(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]]
   non-empty strings and whose answer ends in a ``#### <number>`` final answer (see
   :func:`gold_answer`).  Other rows are skipped but never silently: their count and the
   first one's line number and reason are logged as a warning.  Blank lines are not rows
-  and are ignored.
+  and are ignored.  Decoding problems (bad UTF-8, bad JSON, too deep, lone surrogates, not
+  an object) are rows like any other: counted per kind, never fatal.
 
   Args:
-    path: the file to read (UTF-8).
+    path: the file to read (UTF-8; a leading byte-order mark is accepted).
 
   Returns:
     ``(rows, num_malformed)``: the usable rows as parsed (extra keys kept), in file
-    order, and the number of skipped rows.
+    order, and the number of skipped rows (a
+    :class:`~mimo_jax.tasks.splits.MalformedCount` with the count of each kind).
 
   Raises:
     OSError: if the file cannot be read.
     ValueError: if the file has no usable row.
   """
-  return read_jsonl_rows(path, _row_problem, "GSM8K", logger=_logger)
+  return read_jsonl_rows(path, _check_row, "GSM8K", logger=_logger)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +156,7 @@ class GSM8KTask(SplitTask):
       training.
     loader: ``loader(path) -> (rows, num_malformed)`` reading a split (default: the JSONL
       reader of this module; the trainer passes a TFDS ``array_record`` source, see
-      ``mimo_jax.data.tfds_sources``).
+      ``mimo_jax.tasks.tfds_sources``).
 
   Attributes:
     num_overlap_removed: distinct training questions dropped because the test file has them.

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import json
 import logging
 import os
 import re
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from mimo_jax.rewards.code import CodeVerdict, extract_code, probe_components, unit_test_result
-from mimo_jax.tasks.splits import SplitTask, content_uid, read_jsonl_rows
+from mimo_jax.tasks.splits import Malformed, SplitTask, check_string_fields, content_uid, read_jsonl_rows
 
 __all__ = [
   "DEFAULT_TEST_PATH",
@@ -76,43 +75,36 @@ def problem_uid(prompt: str) -> str:
   return content_uid(prompt)
 
 
-def _row_problem(line: str) -> tuple[dict[str, Any] | None, str]:
-  """Parses and validates one JSONL line; returns (row, "") or (None, reason)."""
-  try:
-    row = json.loads(line)
-  except json.JSONDecodeError as e:
-    return None, f"invalid JSON ({e.msg})"
-  if not isinstance(row, dict):
-    return None, f"not a JSON object but {type(row).__name__}"
-  for key in REQUIRED_FIELDS:
-    value = row.get(key)
-    if not isinstance(value, str) or not value.strip():
-      return None, f"missing or empty string field {key!r}"
+def _check_row(row: dict[str, Any]) -> Malformed | None:
+  """Validates one decoded JSONL object; None if usable, else why not."""
+  problem = check_string_fields(row, REQUIRED_FIELDS)
+  if problem is not None:
+    return problem
   entry = row["entry_point"]
   if not entry.isidentifier():
-    return None, f"entry_point {entry!r} is not a Python identifier"
+    return Malformed("failed_check", f"entry_point {entry!r} is not a Python identifier")
   if not re.search(rf"^def {re.escape(entry)}\s*\(", row["prompt"], re.MULTILINE):
-    return None, f"prompt does not define the entry point {entry!r} at top level"
+    return Malformed("failed_check", f"prompt does not define the entry point {entry!r} at top level")
   for name, source in (
     ("prompt + canonical_solution", row["prompt"] + row["canonical_solution"]),
     ("test", row["test"]),
   ):
     try:
       compile(source, f"<{name}>", "exec")
-    except (SyntaxError, ValueError) as e:
-      return None, f"{name} does not compile ({type(e).__name__}: {e})"
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+      return Malformed("failed_check", f"{name} does not compile ({type(e).__name__}: {e})")
   if not re.search(r"^def check\s*\(", row["test"], re.MULTILINE):
-    return None, "test does not define check(candidate)"
-  return row, ""
+    return Malformed("failed_check", "test does not define check(candidate)")
+  return None
 
 
-def _open_text(path: str | os.PathLike[str]) -> Any:
-  """Opens a UTF-8 text file, decompressing it if it starts with the gzip magic bytes."""
+def _open_bytes(path: str | os.PathLike[str]) -> Any:
+  """Opens a file for reading bytes, decompressing it if it starts with the gzip magic bytes."""
   with open(path, "rb") as f:
     magic = f.read(2)
   if magic == _GZIP_MAGIC:
-    return gzip.open(path, "rt", encoding="utf-8")
-  return open(path, encoding="utf-8")
+    return gzip.open(path, "rb")
+  return open(path, "rb")
 
 
 def load_humaneval_jsonl(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]:
@@ -123,19 +115,23 @@ def load_humaneval_jsonl(path: str | os.PathLike[str]) -> tuple[list[dict[str, A
   whose prompt plus canonical solution and whose test compile, and whose test defines
   ``check``.  Other rows are skipped but never silently: their count and the first one's
   line number and reason are logged as a warning.  Blank lines are not rows and are ignored.
+  Decoding problems (bad UTF-8, bad JSON, too deep, lone surrogates, not an object) are
+  rows like any other: counted per kind, never fatal.
 
   Args:
-    path: the file to read; compression is detected from its first bytes.
+    path: the file to read; compression is detected from its first bytes (a leading
+      UTF-8 byte-order mark is accepted).
 
   Returns:
     ``(rows, num_malformed)``: the usable rows as parsed (extra keys kept), in file
-    order, and the number of skipped rows.
+    order, and the number of skipped rows (a
+    :class:`~mimo_jax.tasks.splits.MalformedCount` with the count of each kind).
 
   Raises:
     OSError: if the file cannot be read (or is corrupt gzip).
     ValueError: if the file has no usable row.
   """
-  return read_jsonl_rows(path, _row_problem, "HumanEval", open_text=_open_text, logger=_logger)
+  return read_jsonl_rows(path, _check_row, "HumanEval", open_binary=_open_bytes, logger=_logger)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +180,7 @@ class HumanEvalTask(SplitTask):
       whole test file, so shrinking the evaluation set never leaks test problems into training.
     loader: ``loader(path) -> (rows, num_malformed)`` reading a split (default: the JSONL
       reader of this module; the trainer passes a TFDS ``array_record`` source, see
-      ``mimo_jax.data.tfds_sources``).
+      ``mimo_jax.tasks.tfds_sources``).
     timeout_s: wall-clock limit of one verification (interpreter start-up included).
     memory_mb: address-space limit per sandbox process, in MiB.
 

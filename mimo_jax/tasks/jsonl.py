@@ -1,6 +1,6 @@
 """Any JSONL file of prompts with a verifiable final answer, through a field mapping.
 
-Rows come from a TFDS ``array_record`` source (``mimo_jax.data.tfds_sources``, kind
+Rows come from a TFDS ``array_record`` source (``mimo_jax.tasks.tfds_sources``, kind
 ``jsonl``) whose field map names the file's prompt and answer fields, e.g.
 ``prompt=question,answer=final``.  The prompt is used verbatim; the verifier is the math
 reward's: the completion's extracted final answer (``####``, ``\\boxed{}``, "the answer is",

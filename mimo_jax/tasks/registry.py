@@ -7,18 +7,18 @@ A task exposes ``heldout()``, ``sample(rng, n)``, ``reward(problem, text)``,
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from mimo_jax.config import DataConfig, parse_int_list
 from mimo_jax.config_base import ConfigError
-from mimo_jax.data.tfds_sources import load_prompt_source
 from mimo_jax.tasks import gsm8k, humaneval
 from mimo_jax.tasks.arith import ArithTask, build_tokenizer
 from mimo_jax.tasks.gsm8k import GSM8KTask
 from mimo_jax.tasks.humaneval import HumanEvalTask
 from mimo_jax.tasks.jsonl import JsonlTask, parse_field_map
+from mimo_jax.tasks.splits import MalformedCount, describe_kinds
+from mimo_jax.tasks.tfds_sources import load_prompt_source
 from mimo_jax.tokenization import Tokenizer, load_tokenizer, train_sentencepiece
 
 # The held-out split is fixed across run seeds, so runs with different seeds are
@@ -109,16 +109,20 @@ def _tfds_loader(cfg: DataConfig, module: Any):
       "test" if os.path.abspath(path) == os.path.abspath(cfg.eval_data_path or module.DEFAULT_TEST_PATH) else "train"
     )
     source = load_prompt_source(kind, path, _tfds_dir(cfg), split=split)
-    rows, bad = [], source.num_malformed
+    rows, by_kind = [], dict(source.malformed_by_kind)
+    first = (source.first_malformed["line"], source.first_malformed["reason"]) if source.first_malformed else None
     for record in source:
-      record.pop("source_line", None)
-      row, _ = module._row_problem(json.dumps(record))
-      if row is None:
-        bad += 1
+      line = record.pop("source_line", 0)
+      problem = module._check_row(record)
+      if problem is None:
+        rows.append(record)
       else:
-        rows.append(row)
+        by_kind[problem.kind] = by_kind.get(problem.kind, 0) + 1
+        if first is None or line < first[0]:
+          first = (line, problem.reason)
+    bad = MalformedCount(by_kind, first)
     if not rows:
-      raise ValueError(f"{path}: no usable rows ({bad} malformed)")
+      raise ValueError(f"{path}: no usable rows ({int(bad)} malformed: {describe_kinds(by_kind)})")
     return rows, bad
 
   return load

@@ -33,12 +33,15 @@ directory (old directories are left for the caller to delete).  The file is hash
 while building, and a file that changed in between is an error rather than a mislabelled
 cache.
 
-Malformed rows (not UTF-8, not JSON, not an object, a field missing, not a string or
-blank, or a kind-specific check failing) are never silently dropped: they are counted,
-the first one is logged as a warning (line number, reason and text), and per split the
-count and first offender are stored in the dataset's ``metadata.json``
+Malformed rows (not UTF-8, not JSON, nested too deeply to parse, a string with a lone
+UTF-16 surrogate, not an object, a field missing, not a string or blank, or a
+kind-specific check failing; see :data:`mimo_jax.tasks.splits.MALFORMED_KINDS`) are never
+silently dropped and never abort the build: they are counted per kind, the first one is
+logged as a warning (line number, reason and text), and per split the count, the count of
+each kind and the first offender are stored in the dataset's ``metadata.json``
 (``builder.info.metadata["splits"][split]``) and exposed as
-:attr:`PromptSource.num_malformed`.  Blank lines are not rows.  A split without any
+:attr:`PromptSource.num_malformed` and :attr:`PromptSource.malformed_by_kind`.  Blank
+lines are not rows; a UTF-8 byte-order mark at the start of a file is accepted.  A split without any
 usable row raises :class:`ValueError` naming the file.
 
 :class:`PromptStream` turns a dataset size into a reproducible stream of indices: one
@@ -65,6 +68,7 @@ from mimo_jax.tasks.arith import ArithTask
 from mimo_jax.tasks.gsm8k import DEFAULT_TEST_PATH as GSM8K_TEST_PATH
 from mimo_jax.tasks.gsm8k import DEFAULT_TRAIN_PATH as GSM8K_TRAIN_PATH
 from mimo_jax.tasks.gsm8k import gold_answer
+from mimo_jax.tasks.splits import Malformed, check_string_fields, describe_kinds, parse_json_object
 
 __all__ = [
   "DEFAULT_FIELD_MAP",
@@ -95,10 +99,10 @@ HUMANEVAL_FIELDS = ("task_id", "prompt", "canonical_solution", "test", "entry_po
 GSM8K_FIELDS = ("question", "answer")
 DEFAULT_FIELD_MAP: Mapping[str, str] = {"prompt": "prompt", "answer": "answer"}
 
-_HUMANEVAL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "humaneval")
+_HUMANEVAL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "humaneval")
 
 # Bumped whenever what a builder writes changes, so old caches are not reused.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: BOM accepted, lone surrogates and over-deep rows skipped, malformed_by_kind stored
 _VERSION = tfds.core.Version("1.0.0")
 # Feature holding a row's 1-based line number in its source file.
 LINE_FEATURE = "source_line"
@@ -203,27 +207,18 @@ def _check_field_map(field_map: Mapping[str, str]) -> dict[str, str]:
   return out
 
 
-def _parse_row(raw: bytes, fields: Mapping[str, str]) -> tuple[dict[str, str] | None, str]:
-  """Parses one raw line into ``{feature: text}``; returns ``(row, "")`` or ``(None, reason)``."""
-  try:
-    obj = json.loads(raw.decode("utf-8"))
-  except UnicodeDecodeError as e:
-    return None, f"not valid UTF-8 ({e.reason})"
-  except json.JSONDecodeError as e:
-    return None, f"invalid JSON ({e.msg})"
-  if not isinstance(obj, dict):
-    return None, f"not a JSON object but {type(obj).__name__}"
-  row: dict[str, str] = {}
-  for feature, key in fields.items():
-    if key not in obj:
-      return None, f"missing field {key!r}"
-    value = obj[key]
-    if not isinstance(value, str):
-      return None, f"field {key!r} is {type(value).__name__}, not a string"
-    if not value.strip():
-      return None, f"field {key!r} is empty"
-    row[feature] = value
-  return row, ""
+def _parse_row(
+  raw: bytes, fields: Mapping[str, str], *, first_line: bool = False
+) -> tuple[dict[str, str] | None, Malformed | None]:
+  """Parses one raw line into ``{feature: text}``; returns ``(row, None)`` or ``(None, Malformed)``."""
+  obj, problem = parse_json_object(raw, first_line=first_line)
+  if problem is None:
+    assert obj is not None
+    problem = check_string_fields(obj, fields.values())
+  if problem is not None:
+    return None, problem
+  assert obj is not None
+  return {feature: obj[key] for feature, key in fields.items()}, None
 
 
 class _JsonlBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -270,41 +265,46 @@ class _JsonlBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     self, split: str, path: str, sha256: str, fields: Mapping[str, str]
   ) -> tuple[list[tuple[int, dict[str, str]]], dict[str, Any]]:
     rows: list[tuple[int, dict[str, str]]] = []
-    num_bad = 0
+    by_kind: dict[str, int] = {}
     first_bad: dict[str, Any] | None = None
     for lineno, raw in enumerate(_read_lines(path, sha256), start=1):
       if not raw.strip():
         continue
-      row, reason = _parse_row(raw, fields)
+      row, problem = _parse_row(raw, fields, first_line=lineno == 1)
       if row is not None:
         reason = self._check_row(row)
-      if reason:
-        num_bad += 1
+        problem = Malformed("failed_check", reason) if reason else None
+      if problem is not None:
+        by_kind[problem.kind] = by_kind.get(problem.kind, 0) + 1
         if first_bad is None:
           excerpt = raw[:_MAX_EXCERPT].decode("utf-8", errors="replace")
-          first_bad = {"line": lineno, "reason": reason, "text": excerpt}
+          first_bad = {"line": lineno, "kind": problem.kind, "reason": problem.reason, "text": excerpt}
         continue
       assert row is not None
       rows.append((lineno, row))
+    num_bad = sum(by_kind.values())
     if first_bad is not None:
       _logger.warning(
-        "%s (%s split %r): skipped %d malformed row(s) of %d; first at line %d: %s: %r",
+        "%s (%s split %r): skipped %d malformed row(s) of %d (%s); first at line %d: %s: %r",
         path,
         self.name,
         split,
         num_bad,
         num_bad + len(rows),
+        describe_kinds(by_kind),
         first_bad["line"],
         first_bad["reason"],
         first_bad["text"],
       )
     if not rows:
-      raise ValueError(f"{path}: no usable {self.name} rows for split {split!r} ({num_bad} malformed)")
+      kinds = f": {describe_kinds(by_kind)}" if by_kind else ""
+      raise ValueError(f"{path}: no usable {self.name} rows for split {split!r} ({num_bad} malformed){kinds}")
     meta = {
       "path": path,
       "sha256": sha256,
       "num_rows": len(rows),
       "num_malformed": num_bad,
+      "malformed_by_kind": by_kind,
       "first_malformed": first_bad,
     }
     return rows, meta
@@ -444,7 +444,8 @@ class ArithBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
       splits["test"] = task.heldout()
     self.info.metadata["spec"] = spec.to_json()
     self.info.metadata["splits"] = {
-      split: {"num_rows": len(rows), "num_malformed": 0, "first_malformed": None} for split, rows in splits.items()
+      split: {"num_rows": len(rows), "num_malformed": 0, "malformed_by_kind": {}, "first_malformed": None}
+      for split, rows in splits.items()
     }
     return {split: self._generate_examples(rows) for split, rows in splits.items()}
 
@@ -555,7 +556,9 @@ class PromptSource:
     name: the source's name, e.g. ``"gsm8k:train"``.
     split: the split.
     num_malformed: rows of the source file that were skipped as malformed.
-    first_malformed: ``{"line", "reason", "text"}`` of the first skipped row, or None.
+    malformed_by_kind: ``{kind: count}`` of the skipped rows (see
+      :data:`mimo_jax.tasks.splits.MALFORMED_KINDS`).
+    first_malformed: ``{"line", "kind", "reason", "text"}`` of the first skipped row, or None.
     path: the source file (None for generated sources).
     features: the feature names of every row.
   """
@@ -570,15 +573,17 @@ class PromptSource:
     self.name = name or f"{builder.name}:{split}"
     split_meta = meta[split]
     self.num_malformed: int = int(split_meta.get("num_malformed", 0))
+    self.malformed_by_kind: dict[str, int] = dict(split_meta.get("malformed_by_kind") or {})
     self.first_malformed: dict[str, Any] | None = split_meta.get("first_malformed")
     self.path: str | None = split_meta.get("path")
     self.features: tuple[str, ...] = tuple(builder.info.features.keys())
     if self.num_malformed:
       _logger.warning(
-        "%s: %d malformed row(s) of %s were skipped; first: %s",
+        "%s: %d malformed row(s) of %s were skipped (%s); first: %s",
         self.name,
         self.num_malformed,
         self.path,
+        describe_kinds(self.malformed_by_kind),
         self.first_malformed,
       )
 
