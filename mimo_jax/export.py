@@ -16,14 +16,11 @@ import sys
 from flax import nnx
 
 from mimo_jax.ckpt import Checkpointer
-from mimo_jax.models import ModelConfig, RopeScaling, Transformer, save_hf
+from mimo_jax.models import ModelConfig, Transformer, save_hf
 
 
 def model_config_from_meta(meta: dict) -> ModelConfig:
-  fields = dict(meta["model_config"])
-  if fields.get("rope_scaling"):
-    fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-  return ModelConfig(**fields)
+  return ModelConfig.from_dict(meta["model_config"])
 
 
 def _unwrap_variables(tree):

@@ -16,9 +16,9 @@ from mimo_jax.config_base import ConfigError
 from mimo_jax.main import main, parse_config
 from mimo_jax.models import Transformer, ValueModel
 from mimo_jax.models.config import tiny
+from mimo_jax.optim import TrainState, make_optimizer
 from mimo_jax.tasks.arith import make_problem, parse_operands
 from mimo_jax.testing import FakeRollout, count_compilations, kill_resume
-from mimo_jax.train.state import TrainState, make_optimizer
 from mimo_jax.train.steps import SequenceBatch, ValueBatch, ValueSettings, make_value_fn, make_value_update_fn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

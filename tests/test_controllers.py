@@ -212,12 +212,12 @@ def test_dynamic_coefs_route_kl_and_scale_by_phase():
 
 
 def test_apply_gradients_clip_norm_and_lr_mult():
-  from mimo_jax.train.state import apply_gradients
+  from mimo_jax.optim import apply_gradients
 
   params = {"w": jnp.zeros(4)}
   grads = {"w": jnp.array([6.0, 8.0, 0.0, 0.0])}  # norm 10
 
-  from mimo_jax.train.state import TrainState
+  from mimo_jax.optim import TrainState
 
   state = TrainState(
     step=jnp.int32(0),

@@ -350,7 +350,8 @@ def test_cli_refuses_a_corrupted_checkpoint(trained_run, tmp_path, capsys):
   copy = tmp_path / "run"
   shutil.copytree(run_dir, copy)
   state = copy / "checkpoints" / "9" / "state"
-  victim = max((p for p in state.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-  victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+  # The evaluator reads (and verifies) only the policy's parameters: damage every data file so they are hit.
+  for victim in (p for p in state.rglob("*") if p.is_file() and p.stat().st_size > 1024):
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
   rc, _, err = _cli(capsys, f"--checkpoint={copy / 'checkpoints' / '9'}")
   assert rc == 2 and "corrupted" in err and "checkpoint 9" in err

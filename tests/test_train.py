@@ -17,10 +17,10 @@ from mimo_jax.eval import pass_at_k
 from mimo_jax.main import main, parse_config
 from mimo_jax.models import Transformer, create_sharded
 from mimo_jax.models.config import tiny
+from mimo_jax.optim import TrainState, make_optimizer
 from mimo_jax.rollout import Sampler, SamplingParams, left_pad
 from mimo_jax.sharding import MeshConfig, build_mesh
 from mimo_jax.testing import count_compilations
-from mimo_jax.train.state import TrainState, make_optimizer
 from mimo_jax.train.steps import LossCoefs, PolicyBatch, SequenceBatch, UpdateSettings, make_score_fn, make_update_fn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -250,10 +250,49 @@ def test_dry_run_tiny_compiles_every_step(capsys):
   from mimo_jax.train.dry_run import dry_run
 
   cfg = parse_config(["prog", f"--flagfile={os.path.join(ROOT, 'experiments', 'grpo_tiny.flags')}", "--dry_run"])
-  report = dry_run(cfg)
-  assert set(report["compiled"]) == {"update", "score", "generate"}
+  report = dry_run(cfg, write=False)
+  assert set(report["compiled"]) == {"learn", "generate"}
   assert report["per_device_gib"]["params"] > 0
   assert "per-device storage" in capsys.readouterr().out
+
+
+def test_dry_run_of_ppo_counts_the_critic_and_writes_dry_run_json(tmp_path):
+  from mimo_jax.train.dry_run import dry_run
+
+  def report_of(name):
+    flagfile = os.path.join(ROOT, "experiments", f"{name}.flags")
+    return dry_run(parse_config(["prog", f"--flagfile={flagfile}", "--dry_run", f"--run_dir={tmp_path / name}"]))
+
+  grpo, ppo = report_of("grpo_tiny"), report_of("ppo_tiny")
+  assert grpo["per_device_bytes"]["value_params"] == 0 == grpo["per_device_bytes"]["value_optimizer_state"]
+  critic = ppo["per_device_bytes"]["value_params"]
+  # The critic is the policy's backbone plus a scalar head, with its own Adam moments (two per weight).
+  assert critic > 0.9 * ppo["per_device_bytes"]["params"]
+  assert ppo["per_device_bytes"]["value_optimizer_state"] >= 2 * critic
+  # The learn program's arguments hold the whole learner state: the critic and its optimizer included.
+  extra = ppo["compiled"]["learn"]["argument_gib"] - grpo["compiled"]["learn"]["argument_gib"]
+  assert extra * 1024**3 >= 3 * critic * 0.99
+  on_disk = json.loads((tmp_path / "ppo_tiny" / "dry_run.json").read_text())
+  assert on_disk["per_device_bytes"] == ppo["per_device_bytes"] and set(on_disk["compiled"]) == {"learn", "generate"}
+  assert on_disk["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1} and on_disk["platform"] == "cpu"
+  # The vocabulary the run would use: the task's tokenizer.
+  from mimo_jax.tasks.registry import build_task
+
+  cfg = parse_config(["prog", f"--flagfile={os.path.join(ROOT, 'experiments', 'ppo_tiny.flags')}"])
+  assert on_disk["vocab_size"] == build_task(cfg.data, seed=0)[1].vocab_size
+
+
+def test_update_benchmark_times_the_learner_program():
+  import argparse
+
+  from mimo_jax.bench import update
+
+  args = argparse.Namespace(
+    preset="tiny", layers=0, rows=8, prompt_len=8, completion_len=8, impls="fused", grad_accum=2, repeats=1
+  )
+  (record,) = update.run(args)
+  assert record["program"] == "learn" and record["logprob_impl"] == "fused" and np.isfinite(record["loss"])
+  assert record["devices"] == jax.device_count()
 
 
 @pytest.mark.slow
@@ -261,16 +300,19 @@ def test_dry_run_13b_on_8_devices():
   from mimo_jax.train.dry_run import dry_run
 
   cfg = parse_config(["prog", f"--flagfile={os.path.join(ROOT, 'experiments', 'grpo_13b.flags')}", "--dry_run"])
-  report = dry_run(cfg)
+  report = dry_run(cfg, write=False)
   assert report["params"] == 13_015_864_320
   # bf16 parameters, FSDP x tensor over 8 devices: 26 GB / 8 per device.
   np.testing.assert_allclose(report["per_device_gib"]["params"], 13_015_864_320 * 2 / 8 / 1024**3, rtol=0.01)
-  # Adam's two moments are sharded like the parameters (not replicated over fsdp).
+  # Adam's two float32 moments (on the master copy) are sharded like the parameters (not replicated
+  # over fsdp): 8 bytes per parameter against the bf16 weights' 2.
   np.testing.assert_allclose(
-    report["per_device_gib"]["optimizer_state"], 2 * report["per_device_gib"]["params"], rtol=0.01
+    report["per_device_gib"]["optimizer_state"], 4 * report["per_device_gib"]["params"], rtol=0.01
   )
-  update = report["compiled"]["update"]
-  assert update["temp_gib"] > 0 and update["alias_gib"] > 0.9 * update["output_gib"]  # the state is donated
+  # The float32 master copy of the bf16 weights: twice the parameters' bytes, and Adam's moments on it.
+  np.testing.assert_allclose(report["per_device_gib"]["master"], 2 * report["per_device_gib"]["params"], rtol=0.01)
+  learn = report["compiled"]["learn"]
+  assert learn["temp_gib"] > 0 and learn["alias_gib"] > 0.9 * learn["output_gib"]  # the state is donated
 
 
 @pytest.mark.parametrize("correct_samples, expected_reward", [((0, 2), 0.5), ((0, 1, 2, 3), 1.0)])

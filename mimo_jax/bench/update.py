@@ -1,23 +1,26 @@
-"""Policy-update step time and memory: full logits vs the fused log-prob kernel, on the local devices.
+"""Learner step time and memory: full logits vs the fused log-prob kernel, on the local devices.
 
     python -m mimo_jax.bench.update [--preset 1b] [--layers 4] [--rows 16] [--prompt_len 128]
                                     [--completion_len 1024] [--impls full,fused] [--grad_accum 1] [--repeats 3]
 
-One GRPO/PPO update (clipped policy loss, k3 KL, entropy, AdamW) of a randomly initialised preset on a mesh over
-every local device (FSDP), on a random batch of ``rows`` sequences. For each ``--logprob_impl``: compile seconds,
-the compiler's temporary memory, the device's peak memory after the timed steps (where the backend reports it;
-the allocator's high-water mark is per process, so only the first implementation's peak is its own: run one
-``--impls`` value per process for clean peaks),
-median step seconds over ``--repeats`` steps after a warm-up, and completion tokens per second. The fused rows
-report their ratios to the first implementation. Output: one JSON line per implementation.
+One learner step of a randomly initialised preset, the very program the trainer runs (built by
+``mimo_jax.train.learner.build_learner`` from a config: behaviour and reference log-probs, GRPO
+advantages, the clipped policy loss with k3 KL and entropy, AdamW, the controllers) on a mesh
+over every local device (FSDP), on a random rollout of ``rows`` sequences (groups of 4 samples).
+For each ``--logprob_impl``: compile seconds, the compiler's temporary memory, the device's peak
+memory after the timed steps (where the backend reports it; the allocator's high-water mark is
+per process, so only the first implementation's peak is its own: run one ``--impls`` value per
+process for clean peaks), median step seconds over ``--repeats`` steps after a warm-up, and
+completion tokens per second. The fused rows report their ratios to the first implementation.
+Output: one JSON line per implementation.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -26,29 +29,37 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mimo_jax.config import OptimConfig
-from mimo_jax.models import Transformer, create_sharded, get_preset
-from mimo_jax.sharding import MeshConfig, build_mesh
-from mimo_jax.train.state import TrainState, make_optimizer
-from mimo_jax.train.steps import LossCoefs, PolicyBatch, UpdateSettings, make_update_fn
+from mimo_jax.main import parse_config
+from mimo_jax.models import Transformer, create_sharded
+from mimo_jax.optim import TrainState, commit_like_params
+from mimo_jax.sharding import build_mesh
+from mimo_jax.train.learner import Experience, LearnerState, build_learner, init_controller_state
 
 GiB = 2**30
+GROUP = 4
 
 
-def _batch(rows: int, prompt_len: int, completion_len: int, vocab: int, seed: int = 0) -> PolicyBatch:
+def _experience(rows: int, prompt_len: int, completion_len: int, vocab: int, seed: int = 0) -> Experience:
   rng = np.random.default_rng(seed)
-  completion_mask = np.arange(completion_len)[None, :] < rng.integers(
-    completion_len // 2, completion_len + 1, (rows, 1)
-  )
-  return PolicyBatch(
+  lengths = rng.integers(completion_len // 2, completion_len + 1, rows)
+  completion_mask = np.arange(completion_len)[None, :] < lengths[:, None]
+  f32 = np.float32
+  return Experience(
     prompt_tokens=jnp.asarray(rng.integers(4, vocab, (rows, prompt_len)), jnp.int32),
     prompt_mask=jnp.ones((rows, prompt_len), bool),
     completion_tokens=jnp.asarray(rng.integers(4, vocab, (rows, completion_len)), jnp.int32),
     completion_mask=jnp.asarray(completion_mask),
-    advantages=jnp.asarray(rng.normal(size=rows), jnp.float32),
-    old_logprobs=jnp.asarray(-rng.exponential(3.0, (rows, completion_len)), jnp.float32),
-    ref_logprobs=jnp.asarray(-rng.exponential(3.0, (rows, completion_len)), jnp.float32),
+    lengths=jnp.asarray(lengths, jnp.int32),
+    truncated=jnp.asarray(lengths == completion_len),
+    rewards=jnp.asarray(rng.integers(0, 2, rows), jnp.float32),
+    reward_components={"correct": jnp.asarray(rng.integers(0, 2, rows), jnp.float32)},
+    sampler_logprobs=jnp.asarray(-rng.exponential(3.0, (rows, completion_len)).astype(f32)),
     temperature=jnp.ones((rows,), jnp.float32),
+    top_k=jnp.zeros((rows,), jnp.int32),
+    top_p=jnp.ones((rows,), jnp.float32),
+    policy_version=jnp.zeros((rows,), jnp.int32),
+    prompt_id=jnp.asarray(np.repeat(np.arange(rows // GROUP), GROUP), jnp.int32),
+    batch_id=jnp.zeros((rows,), jnp.int32),
   )
 
 
@@ -58,57 +69,93 @@ def _peak_gib() -> float | None:
   return None if peak is None else round(peak / GiB, 2)
 
 
-def run(args: argparse.Namespace) -> list[dict]:
-  cfg = get_preset(args.preset)
+def _config(args: argparse.Namespace, impl: str):
+  if args.rows % GROUP:
+    raise SystemExit(f"--rows={args.rows}: must be a multiple of {GROUP} (the group size)")
+  flags = [
+    "prog",
+    f"--model_preset={args.preset}",
+    f"--logprob_impl={impl}",
+    f"--grad_accum={args.grad_accum}",
+    f"--prompts_per_step={args.rows // GROUP}",
+    f"--num_samples={GROUP}",
+    f"--max_new_tokens={args.completion_len}",
+    f"--prompt_buckets={args.prompt_len}",
+    "--learning_rate=1e-6",
+    "--lr_schedule=constant",
+    "--kl_coef=0.001",
+    "--entropy_coef=0.001",
+    "--mesh_data=1",
+    "--mesh_fsdp=-1",
+    "--mesh_tensor=1",
+    f"--run_dir={tempfile.gettempdir()}/mimo_jax_bench_update",
+  ]
+  cfg = parse_config(flags)
+  model_cfg = cfg.model.model_config()
   if args.layers:
-    cfg = dataclasses.replace(cfg, num_layers=args.layers)
-  mesh = build_mesh(MeshConfig(1, jax.device_count(), 1))
-  batch = _batch(args.rows, args.prompt_len, args.completion_len, cfg.vocab_size)
-  coefs = LossCoefs(kl_coef=jnp.float32(0.001), entropy_coef=jnp.float32(0.001))
-  tokens = int(np.asarray(batch.completion_mask).sum())
+    model_cfg = model_cfg.replace(num_layers=args.layers)
+  if model_cfg.max_seq_len < args.prompt_len + args.completion_len:
+    model_cfg = model_cfg.replace(max_seq_len=args.prompt_len + args.completion_len)
+  return cfg, model_cfg
+
+
+def run(args: argparse.Namespace) -> list[dict]:
   records = []
   for impl in args.impls.split(","):
-    model = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-    tx, _ = make_optimizer(OptimConfig(learning_rate=1e-6, lr_schedule="constant"), 10)
-    state = TrainState.create(model, tx, jax.random.key(0))
-    del model
-    settings = UpdateSettings(logprob_impl=impl, grad_accum=args.grad_accum, agg_norm=float(args.completion_len))
-    update = make_update_fn(mesh, settings)
+    cfg, model_cfg = _config(args, impl)
+    mesh = build_mesh(cfg.mesh)
+    model = create_sharded(lambda m=model_cfg: Transformer(m, rngs=nnx.Rngs(0)), mesh)
+    graphdef, params = nnx.split(model)
+    learner = build_learner(cfg, mesh, graphdef)
+    policy = TrainState.create(model, learner.tx, jax.random.key(0), master_dtype=cfg.optim.master_dtype)
+    reference = jax.tree.map(jnp.copy, params)
+    state = LearnerState(policy, commit_like_params(init_controller_state(cfg), params), reference)
+    del model, params
+    exp = _experience(args.rows, args.prompt_len, args.completion_len, model_cfg.vocab_size)
+    tokens = int(np.asarray(exp.completion_mask).sum())
+    step, poison = jnp.int32(0), jnp.bool_(False)
     t0 = time.perf_counter()
-    compiled = update.lower(state, batch, coefs).compile()
+    compiled = learner.learn.lower(state, exp, step, poison).compile()
     compile_s = time.perf_counter() - t0
     temp = compiled.memory_analysis().temp_size_in_bytes
-    state, metrics = compiled(state, batch, coefs)  # warm-up
-    jax.block_until_ready(metrics)
+    # Timed through the jitted function, as the trainer calls it: XLA may lay out an output (an
+    # Adam moment) differently from the input it was given, and the AOT executable only accepts
+    # its own input layout; two warm-up calls settle it.
+    for _ in range(2):
+      state, metrics = learner.learn(state, exp, step, poison)
+      jax.block_until_ready(metrics)
     times = []
     for _ in range(args.repeats):
       t0 = time.perf_counter()
-      state, metrics = compiled(state, batch, coefs)
+      state, metrics = learner.learn(state, exp, step, poison)
       jax.block_until_ready(metrics)
       times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
     record = dict(
-      preset=cfg.name,
-      layers=cfg.num_layers,
-      vocab=cfg.vocab_size,
+      preset=model_cfg.name,
+      layers=model_cfg.num_layers,
+      vocab=model_cfg.vocab_size,
       rows=args.rows,
       prompt_len=args.prompt_len,
       completion_len=args.completion_len,
       grad_accum=args.grad_accum,
       backend=jax.default_backend(),
       devices=jax.device_count(),
+      program="learn",
       logprob_impl=impl,
       compile_s=round(compile_s, 1),
       temp_gib=round(temp / GiB, 2),
       # The allocator's high-water mark is per process: only the first implementation's is its own.
       **({"peak_gib": _peak_gib()} if not records else {"peak_gib_process_so_far": _peak_gib()}),
       step_s=round(step_s, 4),
+      step_s_spread=[round(min(times), 4), round(max(times), 4)],
       completion_tokens_per_s=round(tokens / step_s),
-      loss=float(metrics["loss"]),
+      loss=float(metrics["train"]["loss"]),
     )
     if records:
       record["step_ratio_vs_first"] = round(step_s / records[0]["step_s"], 3)
-      record["temp_ratio_vs_first"] = round(temp / GiB / max(records[0]["temp_gib"], 1e-9), 3)
+      first_temp = records[0]["temp_gib"]
+      record["temp_ratio_vs_first"] = round(temp / GiB / first_temp, 3) if first_temp else None
     records.append(record)
     print(json.dumps(record), flush=True)
     del state, compiled

@@ -180,6 +180,34 @@ class Checkpointer:
       raise CheckpointCorrupted(f"checkpoint {step}: contents do not match their fingerprints ({', '.join(bad[:3])})")
     return restored.state, meta
 
+  def restore_part(self, step: int, abstract_part: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restores only some top-level entries of ``step`` (e.g. ``{"params": abstract_params}``), verified
+    against their fingerprints; nothing else of the checkpoint is read (no optimizer state for an
+    evaluation).
+
+    Raises:
+      CheckpointCorrupted: unreadable files, invalid metadata, a missing entry or a fingerprint mismatch.
+    """
+    meta = self.read_meta(step)
+    path = os.path.join(self.directory, str(step), "state")
+    try:
+      restored = ocp.PyTreeCheckpointer().restore(
+        path,
+        args=ocp.args.PyTreeRestore(
+          item=dict(abstract_part),
+          restore_args=ocp.checkpoint_utils.construct_restore_args(dict(abstract_part)),
+          partial_restore=True,
+        ),
+      )
+    except Exception as e:  # noqa: BLE001 - any read failure means this step is unusable
+      raise CheckpointCorrupted(f"checkpoint {step} could not be read: {type(e).__name__}: {e}") from e
+    got = fingerprint(restored)
+    expected = {k: v for k, v in meta["fingerprint"].items() if k.split("/", 1)[0] in abstract_part}
+    bad = [k for k, v in expected.items() if got.get(k) != v]
+    if bad or set(got) != set(expected):
+      raise CheckpointCorrupted(f"checkpoint {step}: contents do not match their fingerprints ({', '.join(bad[:3])})")
+    return dict(restored), meta
+
   def restore_untyped(self, step: int) -> Any:
     """The array tree of ``step`` on this process's first device, whatever mesh saved it
     (for export and inspection)."""

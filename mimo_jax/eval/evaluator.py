@@ -25,15 +25,19 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
-from mimo_jax.ckpt.manager import CheckpointCorrupted, abstract_like
+from mimo_jax import sharding
+from mimo_jax.ckpt.manager import CheckpointCorrupted, Checkpointer
 from mimo_jax.config import CONCERN_CLASSES, Config
 from mimo_jax.config_base import ConfigError
 from mimo_jax.eval.metrics import majority_at_k, pass_at_k
+from mimo_jax.models import ModelConfig, Transformer, abstract_state
 from mimo_jax.rewards.math import extract_answer, normalize_number
-from mimo_jax.rollout import SamplingParams
+from mimo_jax.rollout import Sampler, SamplingParams
+from mimo_jax.rollout.encoding import decode_completions, encode_prompts, sampling_params
+from mimo_jax.tasks.registry import build_task
 from mimo_jax.tokenization import Tokenizer
-from mimo_jax.train.loop import RLRun, decode_completions, encode_prompts
 
 __all__ = [
   "DEFAULT_ANSWER_FNS",
@@ -44,6 +48,7 @@ __all__ = [
   "default_ks",
   "evaluate_checkpoint",
   "evaluate_policy",
+  "eval_rows",
   "load_run_config",
   "resolve_checkpoint",
   "samples_per_call",
@@ -403,6 +408,44 @@ def default_ks(num_samples: int) -> tuple[int, ...]:
   return tuple(sorted(ks))
 
 
+def eval_rows(num_prompts: int, batch_shards: int) -> int:
+  """Prompts per evaluation call: the held-out prompts rounded up to the sampler's batch shards, at most 64
+  (one static shape for every call; the trainer and :func:`evaluate_checkpoint` use the same)."""
+  return max(batch_shards, min(64, -(-num_prompts // batch_shards) * batch_shards))
+
+
+def _restore_policy(ckpt: Checkpointer, run_dir: str, step: int | None, mesh) -> tuple[Any, dict[str, Any], int]:
+  """The policy parameters of checkpoint ``step`` (None: the newest intact one) on ``mesh``, its metadata
+  (with the resolved ``ModelConfig`` under ``"_model"``) and the step."""
+
+  def restore(s: int) -> tuple[Any, dict[str, Any]]:
+    try:
+      meta = ckpt.read_meta(s)
+    except Exception as e:  # noqa: BLE001 - unreadable metadata means an unusable checkpoint
+      raise CheckpointCorrupted(f"checkpoint {s}: metadata unreadable ({type(e).__name__}: {e})") from e
+    phase = meta.get("phase")
+    if phase not in ("sft", "rl"):
+      raise CheckpointCorrupted(f"checkpoint metadata names no phase (got {phase!r})")
+    model_cfg = ModelConfig.from_dict(meta["model_config"])
+    _, abs_params = abstract_state(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)), mesh)
+    tree, meta = ckpt.restore_part(s, {"params": abs_params})
+    return tree["params"], {**meta, "_model": model_cfg}
+
+  available = ckpt.all_steps()
+  if step is not None:
+    if step not in available:
+      raise FileNotFoundError(
+        f"{run_dir}/checkpoints/{step}: not a committed checkpoint (committed steps: {available or 'none'})"
+      )
+    return (*restore(step), step)
+  for s in reversed(available):
+    try:
+      return (*restore(s), s)
+    except CheckpointCorrupted as e:
+      print(f"warning: {e}; falling back to an earlier checkpoint", flush=True)
+  raise CheckpointCorrupted(f"{run_dir}: no intact checkpoint (steps on disk: {available})")
+
+
 def evaluate_checkpoint(
   path: str,
   *,
@@ -432,7 +475,7 @@ def evaluate_checkpoint(
     max_batch_rows: the most completion rows per generation call (None: the larger of one
       evaluation chunk and one training rollout batch).
     seed: seed of the sampling key.
-    rollout_factory: replaces the sampler (tests), as in :class:`~mimo_jax.train.loop.RLRun`.
+    rollout_factory: ``(model, mesh) -> rollout`` replaces the sampler (tests).
 
   Returns:
     ``run_dir``, ``checkpoint_step`` (the global checkpoint step), ``phase``, ``step`` (the
@@ -461,64 +504,51 @@ def evaluate_checkpoint(
     raise ConfigError(f"--eval_temperature={temperature}: must be > 0 (the greedy completion is always evaluated)")
   if max_batch_rows is not None and max_batch_rows < 1:
     raise ConfigError(f"--max_batch_rows={max_batch_rows}: must be >= 1")
+  # Only what evaluation needs: the task and its held-out split, the policy's parameters (restored
+  # alone, onto the run's mesh) and a sampler.
   try:
-    run = RLRun(cfg, run_dir, rollout_factory=rollout_factory)
+    mesh = sharding.build_mesh(cfg.mesh)
+    task, tokenizer = build_task(cfg.data, seed=cfg.run.seed, hf_checkpoint=cfg.model.hf_checkpoint)
+    heldout = task.heldout()[: cfg.data.eval_prompts]
   except ValueError as e:  # ConfigError included; also a held-out split the task cannot draw
     raise ConfigError(f"cannot rebuild the run from {run_dir}/config.json: {e}") from None
+  if not heldout:
+    raise ConfigError(f"the run's task has no held-out prompts (eval_prompts={cfg.data.eval_prompts})")
+  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), async_save=False)
   try:
-    if not run.heldout:
-      raise ConfigError(f"the run's task has no held-out prompts (eval_prompts={cfg.data.eval_prompts})")
-
-    def target(meta: Mapping[str, Any]) -> Any:
-      phase = meta.get("phase")
-      if phase not in ("sft", "rl"):
-        raise CheckpointCorrupted(f"checkpoint metadata names no phase (got {phase!r})")
-      return abstract_like(run._tree(run.fresh_state(phase)), run.mesh)
-
-    if step is None:
-      found = run.ckpt.restore_latest(target)
-      if found is None:
-        raise CheckpointCorrupted(f"{run_dir}: no intact checkpoint (steps on disk: {run.ckpt.all_steps()})")
-      step, tree, meta = found
-    else:
-      available = run.ckpt.all_steps()
-      if step not in available:
-        raise FileNotFoundError(
-          f"{run_dir}/checkpoints/{step}: not a committed checkpoint (committed steps: {available or 'none'})"
-        )
-      try:
-        meta = run.ckpt.read_meta(step)
-      except Exception as e:  # noqa: BLE001 - unreadable metadata means an unusable checkpoint
-        raise CheckpointCorrupted(f"checkpoint {step}: metadata unreadable ({type(e).__name__}: {e})") from e
-      tree, meta = run.ckpt.restore(step, target(meta))
-    rows = run.eval_rows
-    if max_batch_rows is None:
-      max_batch_rows = max(rows, cfg.data.prompts_per_step * cfg.rollout.num_samples)
-    metrics = evaluate_policy(
-      run.sampler,
-      tree["params"],
-      run.task,
-      run.tokenizer,
-      run.heldout,
-      buckets=run.buckets,
-      rows=rows,
-      max_new_tokens=cfg.rollout.max_new_tokens,
-      sampling=run.sampling,
-      num_samples=num_samples,
-      ks=ks,
-      temperature=temperature,
-      key=jax.random.key(seed),
-      max_batch_rows=max_batch_rows,
-    )
+    params, meta, step = _restore_policy(ckpt, run_dir, step, mesh)
   finally:
-    run.close()
+    ckpt.close()
+  graphdef, _ = abstract_state(lambda: Transformer(meta["_model"], rngs=nnx.Rngs(0)))
+  model = nnx.merge(graphdef, params)
+  factory = rollout_factory or (lambda m, mesh: Sampler(m, mesh=mesh))
+  sampler = factory(model, mesh)
+  rows = eval_rows(len(heldout), sampler.batch_shards)
+  if max_batch_rows is None:
+    max_batch_rows = max(rows, cfg.data.prompts_per_step * cfg.rollout.num_samples)
+  metrics = evaluate_policy(
+    sampler,
+    params,
+    task,
+    tokenizer,
+    heldout,
+    buckets=cfg.rollout.buckets,
+    rows=rows,
+    max_new_tokens=cfg.rollout.max_new_tokens,
+    sampling=sampling_params(cfg.rollout, tokenizer),
+    num_samples=num_samples,
+    ks=ks,
+    temperature=temperature,
+    key=jax.random.key(seed),
+    max_batch_rows=max_batch_rows,
+  )
   return {
     "run_dir": run_dir,
     "checkpoint_step": int(step),
     "phase": meta["phase"],
     "step": int(meta["step"]),
     "task": cfg.data.task,
-    "eval_prompts": len(run.heldout),
+    "eval_prompts": len(heldout),
     "eval_samples": num_samples,
     "eval_temperature": float(temperature),
     "ks": list(ks),

@@ -7,9 +7,9 @@ right-padded to ``M``, positions counted over the real tokens.  Because the scor
 at one position selected by the mask, padding never changes it.
 
 Training minimises the Bradley-Terry loss ``-log sigmoid(r(chosen) - r(rejected))`` with
-the policy trainer's own machinery (:class:`~mimo_jax.train.state.TrainState`, AdamW from
-:func:`~mimo_jax.train.state.make_optimizer`, the non-finite-guarded
-:func:`~mimo_jax.train.state.apply_gradients`); chosen and rejected rows are scored in one
+the policy trainer's own machinery (:class:`~mimo_jax.optim.TrainState`, AdamW from
+:func:`~mimo_jax.optim.make_optimizer`, the non-finite-guarded
+:func:`~mimo_jax.optim.apply_gradients`); chosen and rejected rows are scored in one
 forward pass.  A trained model is checkpointed with :class:`~mimo_jax.ckpt.Checkpointer`
 under ``<run_dir>/reward_model/`` (the model config rides in the schema's ``model_config``
 field of the metadata) and read back with :func:`load_reward_model`.
@@ -43,11 +43,11 @@ from jax.sharding import Mesh, NamedSharding
 from mimo_jax import sharding
 from mimo_jax.ckpt import Checkpointer
 from mimo_jax.config import OptimConfig
-from mimo_jax.models.config import ModelConfig, RopeScaling
+from mimo_jax.models.config import ModelConfig
 from mimo_jax.models.create import abstract_state, create_sharded
 from mimo_jax.models.transformer import Transformer, ValueModel, positions_from_mask
+from mimo_jax.optim import TrainState, apply_gradients, make_optimizer
 from mimo_jax.rollout.sampler import bucket_for, left_pad
-from mimo_jax.train.state import TrainState, apply_gradients, make_optimizer
 
 if TYPE_CHECKING:
   from mimo_jax.rewards.base import RewardSample
@@ -322,10 +322,7 @@ def _model_config_to_json(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _model_config_from_json(fields: dict[str, Any]) -> ModelConfig:
-  fields = dict(fields)
-  if fields.get("rope_scaling"):
-    fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-  return ModelConfig(**fields)
+  return ModelConfig.from_dict(fields)
 
 
 def train_reward_model(

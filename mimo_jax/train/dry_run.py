@@ -1,17 +1,21 @@
-"""``--dry_run``: build everything abstractly, AOT-compile the jitted steps, report memory.
+"""``--dry_run``: build everything abstractly, AOT-compile the programs of a step, report memory.
 
-Nothing is allocated: parameters, optimizer state, rollout batches and the KV cache
-are ``jax.ShapeDtypeStruct``s carrying their ``NamedSharding`` on the configured mesh,
-and each step is lowered and compiled against them.  The per-device byte counts come
-from the shardings (what each device stores) and from XLA's compiled memory analysis
-(arguments, outputs, temporaries of each step), so a configuration that does not fit is
-found before any accelerator time is spent.
+Nothing is allocated: parameters, master copies, optimizer states, the reference, the
+critic, rollout batches and the KV cache are ``jax.ShapeDtypeStruct``s carrying their
+``NamedSharding`` on the configured mesh, and the step's programs are lowered and compiled
+against them: ``generate`` (the sampler) and ``learn`` (the very program the trainer runs,
+from :func:`~mimo_jax.train.learner.build_learner`: scoring, advantages, policy and critic
+updates, controllers).  The per-device byte counts come from the shardings (what each device
+stores) and from XLA's compiled memory analysis (arguments, outputs, temporaries, generated
+code of each program), so a configuration that does not fit is found before any accelerator
+time is spent.  The report is printed and written to ``<run_dir>/dry_run.json``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from typing import Any
 
@@ -19,15 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from mimo_jax import sharding
 from mimo_jax.config import Config
-from mimo_jax.models import Transformer, abstract_state
+from mimo_jax.models import Transformer, ValueModel, abstract_state
 from mimo_jax.models.transformer import KV_CACHE_LOGICAL_AXES
+from mimo_jax.optim import TrainState, opt_state_shardings
 from mimo_jax.rollout import Sampler, SamplingParams
-from mimo_jax.train.state import TrainState, make_optimizer, opt_state_shardings
-from mimo_jax.train.steps import LossCoefs, PolicyBatch, SequenceBatch, UpdateSettings, make_score_fn, make_update_fn
+from mimo_jax.train.learner import Experience, LearnerState, build_learner, init_controller_state, uses_kl
 
 GiB = 1024**3
 
@@ -58,6 +62,7 @@ def _memory(compiled) -> dict[str, float]:
     "output_gib": m.output_size_in_bytes / GiB,
     "temp_gib": m.temp_size_in_bytes / GiB,
     "alias_gib": m.alias_size_in_bytes / GiB,
+    "generated_code_gib": m.generated_code_size_in_bytes / GiB,
   }
   # Live at once: inputs, outputs not aliased to donated inputs, and temporaries.
   out["estimate_gib"] = (
@@ -69,42 +74,76 @@ def _memory(compiled) -> dict[str, float]:
   return out
 
 
-def dry_run(cfg: Config, *, vocab_size: int | None = None) -> dict[str, Any]:
-  """AOT-compiles generate, score and update for ``cfg`` on its mesh; prints and returns the report."""
-  t0 = time.perf_counter()
-  mesh = sharding.build_mesh(cfg.mesh)
-  model_cfg = cfg.model.model_config()
-  if vocab_size is None and cfg.data.task == "arith" and not cfg.model.vocab_size:
-    from mimo_jax.tasks.registry import build_task
+def run_vocab(cfg: Config) -> int:
+  """The vocabulary size the run would use: ``--vocab_size``, else the tokenizer's (as the trainer does)."""
+  if cfg.model.vocab_size:
+    return cfg.model.vocab_size
+  if cfg.model.hf_checkpoint:
+    with open(os.path.join(cfg.model.hf_checkpoint, "config.json")) as f:
+      return int(json.load(f)["vocab_size"])
+  from mimo_jax.tasks.registry import build_task
 
-    vocab_size = build_task(cfg.data, seed=cfg.run.seed)[1].vocab_size
-  if vocab_size:
-    model_cfg = model_cfg.replace(vocab_size=vocab_size)
-  graphdef, abs_params = abstract_state(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)), mesh)
+  return build_task(cfg.data, seed=cfg.run.seed)[1].vocab_size
 
-  # ---- optimizer state: shardings follow the parameters (found by compiling init)
-  tx, _ = make_optimizer(cfg.optim, max(cfg.run.max_steps, 1))
-  replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+def _abstract_train_state(graphdef, abs_params, tx, master_dtype: str, mesh) -> TrainState:
+  """A ``TrainState`` of ShapeDtypeStructs: what ``TrainState.create`` would build, nothing allocated."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+  master = None
+  dtype = jnp.dtype(master_dtype)
+  if any(jnp.dtype(x.dtype) != dtype for x in jax.tree.leaves(abs_params)):
+    master = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding), abs_params)
+  target = abs_params if master is None else master
   abs_opt = jax.tree.map(
     lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-    jax.eval_shape(tx.init, abs_params),
-    opt_state_shardings(tx, abs_params),
+    jax.eval_shape(tx.init, target),
+    opt_state_shardings(tx, target),
   )
-  abs_key = jax.eval_shape(lambda: jax.random.key(0))
-  abs_key = jax.ShapeDtypeStruct(abs_key.shape, abs_key.dtype, sharding=replicated)
-  scalar_i32 = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-  abs_state = TrainState(
-    step=scalar_i32,
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=replicated)  # noqa: E731
+  return TrainState(
+    step=scalar(jnp.int32),
     params=abs_params,
     opt_state=abs_opt,
-    rng=abs_key,
-    skipped=scalar_i32,
-    lr_scale=jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),
+    rng=jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated),
+    skipped=scalar(jnp.int32),
+    lr_scale=scalar(jnp.float32),
     graphdef=graphdef,
     tx=tx,
+    master=master,
   )
 
-  # ---- rollout-shaped abstract batches
+
+def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -> dict[str, Any]:
+  """AOT-compiles ``generate`` and ``learn`` for ``cfg`` on its mesh; prints, writes and returns the report.
+
+  Args:
+    cfg: the run configuration.
+    vocab_size: the vocabulary (default: the one the run would use, see :func:`run_vocab`).
+    write: write ``dry_run.json`` into the run directory.
+  """
+  t0 = time.perf_counter()
+  mesh = sharding.build_mesh(cfg.mesh)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  model_cfg = cfg.model.model_config().replace(vocab_size=vocab_size or run_vocab(cfg))
+  use_kl, use_value = uses_kl(cfg), cfg.algo.use_value_model
+  graphdef, abs_params = abstract_state(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)), mesh)
+  value_graphdef, abs_value_params = (None, None)
+  if use_value:
+    value_graphdef, abs_value_params = abstract_state(lambda: ValueModel(model_cfg, rngs=nnx.Rngs(0)), mesh)
+  learner = build_learner(cfg, mesh, graphdef, value_graphdef)
+  master = cfg.optim.master_dtype
+  policy = _abstract_train_state(graphdef, abs_params, learner.tx, master, mesh)
+  value = _abstract_train_state(value_graphdef, abs_value_params, learner.value_tx, master, mesh) if use_value else None
+  controllers = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
+    jax.eval_shape(lambda: init_controller_state(cfg)),
+  )
+  abs_state = LearnerState(
+    policy=policy, controllers=controllers, reference=abs_params if use_kl else None, value=value
+  )
+
+  # ---- rollout-shaped abstract inputs
   G = cfg.rollout.num_samples
   Np = cfg.data.prompts_per_step
   B, P, M = Np * G, max(cfg.rollout.buckets), cfg.rollout.max_new_tokens
@@ -112,75 +151,71 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None) -> dict[str, Any]:
   def rows(shape, dtype):
     return _sds(shape, dtype, mesh, ("batch",) + (None,) * (len(shape) - 1))
 
-  seqs = SequenceBatch(rows((B, P), jnp.int32), rows((B, P), bool), rows((B, M), jnp.int32), rows((B, M), bool))
-  batch = PolicyBatch(
-    prompt_tokens=seqs.prompt_tokens,
-    prompt_mask=seqs.prompt_mask,
-    completion_tokens=seqs.completion_tokens,
-    completion_mask=seqs.completion_mask,
-    advantages=rows((B,), jnp.float32),
-    old_logprobs=rows((B, M), jnp.float32),
-    ref_logprobs=rows((B, M), jnp.float32),
+  exp = Experience(
+    prompt_tokens=rows((B, P), jnp.int32),
+    prompt_mask=rows((B, P), bool),
+    completion_tokens=rows((B, M), jnp.int32),
+    completion_mask=rows((B, M), bool),
+    lengths=rows((B,), jnp.int32),
+    truncated=rows((B,), bool),
+    rewards=rows((B,), jnp.float32),
+    reward_components={"correct": rows((B,), jnp.float32)},
+    sampler_logprobs=rows((B, M), jnp.float32),
     temperature=rows((B,), jnp.float32),
+    top_k=rows((B,), jnp.int32),
+    top_p=rows((B,), jnp.float32),
+    policy_version=rows((B,), jnp.int32),
+    prompt_id=rows((B,), jnp.int32),
+    batch_id=rows((B,), jnp.int32),
   )
-  use_kl = cfg.algo.kl_coef > 0
-  settings = UpdateSettings(
-    policy_loss=cfg.algo.policy_loss,
-    clip_low=cfg.algo.clip_low,
-    clip_high=cfg.algo.clip_high,
-    clip_c=cfg.algo.clip_c if cfg.algo.policy_loss == "ppo" else None,
-    loss_agg=cfg.algo.loss_agg,
-    agg_norm=float(M),
-    kl_estimator=cfg.algo.kl_estimator,
-    use_kl=use_kl,
-    epochs=cfg.algo.ppo_epochs,
-    num_minibatches=cfg.algo.num_minibatches,
-    grad_accum=cfg.algo.grad_accum,
-    logprob_impl=cfg.algo.logprob_impl,
-  )
-  coefs = LossCoefs(kl_coef=jnp.float32(0), entropy_coef=jnp.float32(0))
+  step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+  poison = jax.ShapeDtypeStruct((), bool, sharding=replicated)
+
+  def nbytes(tree) -> int:
+    return per_device_bytes(tree) if tree is not None else 0
+
+  kv_shape = (model_cfg.num_layers, B, P + M, model_cfg.num_kv_heads, model_cfg.resolved_head_dim)
+  kv = _sds(kv_shape, jnp.dtype(model_cfg.dtype), mesh, KV_CACHE_LOGICAL_AXES)
+  storage = {
+    "params": nbytes(abs_params),
+    "master": nbytes(policy.master),
+    "optimizer_state": nbytes(policy.opt_state),
+    "reference_params": nbytes(abs_state.reference),
+    "value_params": nbytes(abs_value_params),
+    "value_master": nbytes(value.master) if value is not None else 0,
+    "value_optimizer_state": nbytes(value.opt_state) if value is not None else 0,
+    "kv_cache": 2 * nbytes(kv),
+  }
   report: dict[str, Any] = {
     "model": model_cfg.name,
     "params": model_cfg.num_params(),
+    "vocab_size": model_cfg.vocab_size,
+    "param_dtype": str(model_cfg.param_dtype),
+    "compute_dtype": str(model_cfg.dtype),
+    "master_dtype": master,
+    "platform": jax.default_backend(),
+    "devices": int(mesh.size),
     "mesh": dict(mesh.shape),
     "rollout_batch": [B, P, M],
-    "per_device_gib": {
-      "params": per_device_bytes(abs_params) / GiB,
-      "reference_params": per_device_bytes(abs_params) / GiB if use_kl else 0.0,
-      "optimizer_state": per_device_bytes(abs_opt) / GiB,
-    },
+    "per_device_bytes": storage,
+    "per_device_gib": {k: v / GiB for k, v in storage.items()},
   }
-  kv_shape = (model_cfg.num_layers, B, P + M, model_cfg.num_kv_heads, model_cfg.resolved_head_dim)
-  kv = _sds(kv_shape, jnp.dtype(model_cfg.dtype), mesh, KV_CACHE_LOGICAL_AXES)
-  report["per_device_gib"]["kv_cache"] = 2 * per_device_bytes(kv) / GiB
 
   compiled: dict[str, Any] = {}
+  times: dict[str, float] = {}
   t = time.perf_counter()
-  update_fn = make_update_fn(mesh, settings)
-  compiled["update"] = update_fn.lower(abs_state, batch, coefs).compile()
-  times = {"update": time.perf_counter() - t}
-
-  t = time.perf_counter()
-  score_fn = make_score_fn(
-    graphdef,
-    mesh,
-    use_reference=use_kl,
-    logprob_impl=cfg.algo.logprob_impl,
-    micro_batches=cfg.algo.num_minibatches * cfg.algo.grad_accum,
-  )
-  compiled["score"] = score_fn.lower(abs_params, abs_params if use_kl else None, seqs, batch.temperature).compile()
-  times["score"] = time.perf_counter() - t
+  compiled["learn"] = learner.learn.lower(abs_state, exp, step, poison).compile()
+  times["learn"] = time.perf_counter() - t
 
   t = time.perf_counter()
   sampler = Sampler(nnx.merge(graphdef, abs_params), mesh=mesh)
-  prompt_rows = _sds((Np, P), jnp.int32, mesh, ("batch", None))
   compiled["generate"] = sampler._generate.lower(
     abs_params,
-    prompt_rows,
+    _sds((Np, P), jnp.int32, mesh, ("batch", None)),
     _sds((Np, P), bool, mesh, ("batch", None)),
     rows((B,), jnp.float32),
-    abs_key,
-    scalar_i32,
+    jax.ShapeDtypeStruct(policy.rng.shape, policy.rng.dtype, sharding=replicated),
+    step,
     num_samples=G,
     max_len=M,
     sampling=SamplingParams(top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p, stop_ids=(2,)),
@@ -188,9 +223,32 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None) -> dict[str, Any]:
   times["generate"] = time.perf_counter() - t
 
   report["compiled"] = {name: {**_memory(c), "compile_s": times[name]} for name, c in compiled.items()}
+  # Each program's live bytes count its arguments (the whole learner state for learn) and its
+  # temporaries (the KV cache for generate): the step's peak is the larger of the two programs.
+  # The CPU compiler's peak_memory_in_bytes counts little more than the arguments, so the larger
+  # of it and arguments + unaliased outputs + temporaries is reported.
+  report["peak_estimate_gib"] = max(
+    max(m.get("peak_gib", 0.0), m.get("estimate_gib", 0.0)) for m in report["compiled"].values()
+  )
   report["total_s"] = time.perf_counter() - t0
   _print_report(report)
+  if write:
+    from mimo_jax.train.loop import resolve_run_dir
+
+    run_dir = resolve_run_dir(cfg)
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "dry_run.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(report, f, indent=2, default=_json_default)
+    os.replace(tmp, path)
+    report["path"] = path
+    print(f"dry run report: {path}")
   return report
+
+
+def _json_default(o: Any) -> Any:
+  return float(o) if isinstance(o, np.floating) else str(o)
 
 
 def _print_report(report: dict[str, Any]) -> None:
@@ -203,4 +261,4 @@ def _print_report(report: dict[str, Any]) -> None:
   for name, m in report["compiled"].items():
     fields = " ".join(f"{k}={v:.3f}" for k, v in m.items() if k != "compile_s")
     print(f"  {name:>10}: {fields} (compiled in {m['compile_s']:.1f}s)")
-  print(json.dumps(report, default=lambda o: float(o) if isinstance(o, np.floating) else str(o)))
+  print(f"peak estimate: {report['peak_estimate_gib']:.3f} GiB per device")

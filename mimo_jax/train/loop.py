@@ -1,7 +1,8 @@
-"""The GRPO outer loop: sample -> generate -> reward -> advantages -> update -> sync -> log -> checkpoint.
+"""The RL outer loop: sample -> generate -> decode -> reward -> Experience -> learn -> sync -> log -> checkpoint.
 
-Everything heavy is a jitted function on one mesh (``steps.py``, ``rollout/``); the host
-samples prompts, decodes completions, computes rule rewards and writes logs.  The loop
+Generation is the sampler's jitted program (``rollout/``); the host samples prompts, decodes
+completions and computes rewards, and packs one :class:`~mimo_jax.train.learner.Experience`;
+everything after that is the learner's one jitted program (``train/learner.py``).  The loop
 itself is :func:`train`, and one RL step is :meth:`RLRun.step`.
 """
 
@@ -10,12 +11,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
-import functools
 import hashlib
 import json
 import os
 import signal
 import time
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,37 +34,17 @@ from mimo_jax.ckpt.manager import abstract_like
 from mimo_jax.config import Config, parse_float_list, parse_int_list
 from mimo_jax.config_base import ConfigError
 from mimo_jax.data.curriculum import PassRateCurriculum, PromptSampler
+from mimo_jax.eval.evaluator import default_ks, eval_rows, evaluate_policy
 from mimo_jax.models import Transformer, ValueModel, create_sharded, load_hf
+from mimo_jax.optim import TrainState, commit_like_params, init_opt_state, make_optimizer
 from mimo_jax.rewards.base import RewardSource
 from mimo_jax.rewards.task_rewards import build_task_reward, reward_samples
-from mimo_jax.rl.controllers import (
-  ControllerSettings,
-  StepSignals,
-  dynamic_coefs,
-  init_controllers,
-  update_controllers,
-)
-from mimo_jax.rollout import FINISH_LENGTH, RolloutOutput, Sampler, SamplingParams, bucket_for, left_pad
+from mimo_jax.rollout import FINISH_LENGTH, RolloutOutput, Sampler
+from mimo_jax.rollout.encoding import decode_completions, encode_prompts, encode_targets, sampling_params
 from mimo_jax.tasks.registry import build_task
-from mimo_jax.tokenization import Tokenizer
+from mimo_jax.train.learner import Experience, LearnerState, build_learner, init_controller_state, uses_kl
 from mimo_jax.train.logger import MetricsLogger, format_progress
-from mimo_jax.train.state import TrainState, init_opt_state, make_optimizer
-from mimo_jax.train.steps import (
-  AdvantageInputs,
-  AdvantageSettings,
-  LossCoefs,
-  PolicyBatch,
-  SequenceBatch,
-  UpdateSettings,
-  ValueBatch,
-  ValueSettings,
-  make_advantage_fn,
-  make_score_fn,
-  make_sft_step,
-  make_update_fn,
-  make_value_fn,
-  make_value_update_fn,
-)
+from mimo_jax.train.steps import SequenceBatch, make_sft_step
 
 PROGRESS_KEYS = ("reward_mean", "accuracy", "kl_k3", "entropy", "clipfrac", "grad_norm", "response_len", "value_loss")
 
@@ -82,6 +63,7 @@ class Rewards:
     texts: the decoded completions.
     metrics: per-component means and failure counts (``reward/...``).
     histograms: per-component raw values (``reward/<name>``), logged as histograms.
+    components: per source name, float32 ``[B]`` raw values (NaN where a source does not apply).
   """
 
   values: np.ndarray
@@ -89,6 +71,7 @@ class Rewards:
   texts: list[str]
   metrics: dict[str, float] = dataclasses.field(default_factory=dict)
   histograms: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  components: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 def resolve_run_dir(cfg: Config) -> str:
@@ -96,43 +79,6 @@ def resolve_run_dir(cfg: Config) -> str:
     return cfg.logging.run_dir
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   return os.path.join("runs", f"{cfg.run.experiment}-{stamp}")
-
-
-def encode_prompts(
-  tokenizer: Tokenizer, prompts: Sequence[str], buckets: Sequence[int], num_rows: int | None = None
-) -> tuple[np.ndarray, np.ndarray, int]:
-  """Tokenizes (with BOS), left-pads to a bucket, and pads the row count with 1-token fillers.
-
-  A prompt longer than the largest bucket keeps its last tokens (where the question
-  ends and the answer cue sits), so shapes stay static.
-
-  Returns:
-    ``(tokens [rows, P], mask [rows, P], number of prompts that were cut)``.
-  """
-  limit = max(buckets)
-  full = [tokenizer.encode(p, add_bos=tokenizer.bos_id is not None) for p in prompts]
-  truncated = sum(len(i) > limit for i in full)
-  ids = [i[-limit:] for i in full]
-  rows = num_rows or len(ids)
-  ids += [[tokenizer.pad_id]] * (rows - len(ids))
-  tokens, mask = left_pad(ids, bucket_for(max(len(i) for i in ids), buckets), tokenizer.pad_id)
-  return tokens, mask, truncated
-
-
-def encode_targets(tokenizer: Tokenizer, completions: Sequence[str], length: int) -> tuple[np.ndarray, np.ndarray]:
-  """Right-pads completion tokens (+ EOS) to ``length``; over-long targets are truncated."""
-  tokens = np.full((len(completions), length), tokenizer.pad_id, np.int32)
-  mask = np.zeros((len(completions), length), bool)
-  for i, c in enumerate(completions):
-    ids = tokenizer.encode(c, add_eos=True)[:length]
-    tokens[i, : len(ids)] = ids
-    mask[i, : len(ids)] = True
-  return tokens, mask
-
-
-def decode_completions(tokenizer: Tokenizer, rollout: RolloutOutput) -> list[str]:
-  tokens, lengths = np.asarray(rollout.completion_tokens), np.asarray(rollout.lengths)
-  return [tokenizer.decode(tokens[i, : lengths[i]].tolist()) for i in range(tokens.shape[0])]
 
 
 def _select_groups(
@@ -177,9 +123,23 @@ def _select_groups(
     return np.concatenate([getattr(rounds[r][2], field)[g * group_size : (g + 1) * group_size] for r, g in picks])
 
   texts = [rounds[r][2].texts[g * group_size + i] for r, g in picks for i in range(group_size)]
+  components = {
+    name: np.concatenate([rounds[r][2].components[name][g * group_size : (g + 1) * group_size] for r, g in picks])
+    for name in rounds[0][2].components
+  }
   # Component metrics are those of the first round (the others only refill the batch).
   first = rounds[0][2]
-  return problems, rollout, Rewards(gather("values"), gather("correct"), texts, first.metrics, first.histograms)
+  rewards = Rewards(gather("values"), gather("correct"), texts, first.metrics, first.histograms, components)
+  return problems, rollout, rewards
+
+
+def _reset_optimizer(policy: TrainState) -> TrainState:
+  return policy.replace(opt_state=init_opt_state(policy.tx, policy.params if policy.master is None else policy.master))
+
+
+def _prompt_id(uid: str) -> int:
+  """A stable 31-bit id of a prompt (its content hash), for device-side provenance."""
+  return zlib.crc32(uid.encode()) & 0x7FFFFFFF
 
 
 def _digest(obj: Any) -> str:
@@ -225,10 +185,7 @@ class RLRun:
     self.mesh = sharding.build_mesh(cfg.mesh)
     self.task, self.tokenizer = build_task(cfg.data, seed=cfg.run.seed, hf_checkpoint=cfg.model.hf_checkpoint)
     self.buckets = cfg.rollout.buckets
-    self.stop_ids = (self.tokenizer.eos_id,)
-    self.sampling = SamplingParams(
-      top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p, stop_ids=self.stop_ids, pad_id=self.tokenizer.pad_id
-    )
+    self.sampling = sampling_params(cfg.rollout, self.tokenizer)
     self.sampling_version = _digest([dataclasses.asdict(self.sampling), dataclasses.asdict(cfg.rollout)])
     self.key = jax.random.key(cfg.run.seed)
     self.key, init_key, self._sft_key, self._rl_key = jax.random.split(self.key, 4)
@@ -286,124 +243,24 @@ class RLRun:
     self.rows = cfg.data.prompts_per_step
     shards = self.sampler.batch_shards
     # Evaluation batches: a fixed number of prompts per call, a multiple of the batch shards.
-    self.eval_rows = max(shards, min(64, -(-len(self.heldout) // shards) * shards))
+    self.eval_rows = eval_rows(len(self.heldout), shards)
 
     # ---- optimizers and jitted steps
     sft_optim = dataclasses.replace(cfg.optim, warmup_steps=min(10, cfg.run.sft_steps // 10))
     self.sft_tx, self.sft_schedule = make_optimizer(
       sft_optim, max(cfg.run.sft_steps, 1), peak=cfg.optim.sft_learning_rate
     )
-    # The RL optimizer clips dynamically (fixed or LR-linked threshold, see apply_gradients);
-    # with the phase schedule the LR shape comes from the controllers, on a constant base.
-    algo = cfg.algo
-    self.rl_tx, self.lr_schedule = make_optimizer(
-      cfg.optim, max(cfg.run.max_steps, 1), clip=False, constant=algo.phase_schedule
-    )
     self.sft_step_fn = make_sft_step(self.mesh)
-    self.use_kl = algo.kl_coef > 0
-    self.ref_params = None
-    # Score and value passes run over the update's micro-batch row count at a time.
-    score_chunks = algo.num_minibatches * algo.grad_accum
-    self.score_fn = make_score_fn(
-      self.graphdef, self.mesh, use_reference=self.use_kl, logprob_impl=algo.logprob_impl, micro_batches=score_chunks
-    )
-    self.ctl_settings = ControllerSettings(
-      total_steps=max(cfg.run.max_steps, 1),
-      batch_size=cfg.data.prompts_per_step * cfg.rollout.num_samples,
-      kl_controller=algo.kl_controller,
-      kl_target=algo.kl_target,
-      kl_budget_start=algo.kl_budget_start,
-      kl_horizon=algo.kl_horizon,
-      kl_coef_min=algo.kl_coef_min,
-      kl_coef_max=algo.kl_coef_max,
-      entropy_controller=algo.entropy_controller,
-      entropy_target=algo.entropy_target,
-      entropy_lr=algo.entropy_lr,
-      entropy_coef_max=algo.entropy_coef_max,
-      reward_clip_low=algo.reward_clip_low,
-      reward_clip_high=algo.reward_clip_high,
-      reward_ema=algo.reward_ema,
-      phased=algo.phase_schedule,
-      phase_fracs=parse_float_list("phase_fracs", algo.phase_fracs, 3),
-      phase_slope_threshold=algo.phase_slope_threshold,
-      phase_tolerance=algo.phase_tolerance,
-      phase_smoothing=parse_float_list("phase_smoothing", algo.phase_smoothing, 3),
-      phase_clip_mults=parse_float_list("phase_clip_mults", algo.phase_clip_mults, 3),
-      phase_kl_mults=parse_float_list("phase_kl_mults", algo.phase_kl_mults, 3),
-      grad_clip=cfg.optim.grad_clip,
-      grad_clip_lr_linked=cfg.optim.grad_clip_mode == "lr_linked",
-      value_window=max(algo.value_window, 2),
-      value_min_updates=algo.value_min_updates,
-      value_max_updates=algo.value_max_updates if algo.value_window else algo.value_updates,
-      value_fast_drop=algo.value_fast_drop,
-    )
-    coefficients = functools.partial(
-      dynamic_coefs,
-      settings=self.ctl_settings,
-      clip_low=algo.clip_low,
-      clip_high=algo.clip_high,
-      kl_in_reward=algo.kl_in == "reward",
-      use_kl=self.use_kl,
-    )
-    schedule, peak = self.lr_schedule, cfg.optim.learning_rate
-
-    def coefs_fn(controllers, step, opt_step):
-      """The step's coefficients and the base schedule's LR at the optimizer's own count (on device)."""
-      base_lr = schedule(opt_step)
-      return coefficients(controllers, step, base_lr / peak), base_lr
-
-    self.coefs_fn = jax.jit(coefs_fn)
-    self.ctl_update_fn = jax.jit(functools.partial(update_controllers, settings=self.ctl_settings))
-    self.adv_fn = make_advantage_fn(
-      AdvantageSettings(
-        estimator=algo.advantage,
-        group_size=cfg.rollout.num_samples,
-        max_len=cfg.rollout.max_new_tokens,
-        overlong=algo.overlong,
-        overlong_buffer=algo.overlong_buffer,
-        shape_rewards=algo.shapes_rewards,
-        reward_clip_low=algo.reward_clip_low,
-        reward_clip_high=algo.reward_clip_high,
-        kl_estimator=algo.kl_estimator,
-        gamma=algo.gae_gamma,
-        lam=algo.gae_lambda,
-      )
-    )
-    settings = UpdateSettings(
-      policy_loss=algo.policy_loss,
-      clip_low=algo.clip_low,
-      clip_high=algo.clip_high,
-      clip_c=algo.clip_c if algo.policy_loss == "ppo" else None,
-      loss_agg=algo.loss_agg,
-      agg_norm=float(cfg.rollout.max_new_tokens),
-      kl_estimator=algo.kl_estimator,
-      use_kl=self.use_kl and algo.kl_in == "loss",
-      epochs=algo.ppo_epochs,
-      num_minibatches=algo.num_minibatches,
-      grad_accum=algo.grad_accum,
-      logprob_impl=algo.logprob_impl,
-    )
-    self.update_fn = make_update_fn(self.mesh, settings)
-    # ---- value model (PPO): same mesh, its own optimizer and train state
-    self.use_value = algo.use_value_model
-    self.value_state: TrainState | None = None
+    self.master = cfg.optim.master_dtype
+    # ---- the learner: score, advantages, policy and critic updates, controllers in one program
+    self.use_kl = uses_kl(cfg)
+    self.use_value = cfg.algo.use_value_model
+    self.value_graphdef = None
     if self.use_value:
-      value_optim = dataclasses.replace(cfg.optim, learning_rate=algo.value_learning_rate, warmup_steps=0)
-      self.value_tx, _ = make_optimizer(value_optim, max(cfg.run.max_steps, 1), constant=True)
       value_model = create_sharded(lambda: ValueModel(self.model_cfg, rngs=nnx.Rngs(0)), self.mesh)
-      self.value_graphdef, value_params = nnx.split(value_model)
-      self._value_init_params = value_params
-      self.value_fn = make_value_fn(self.value_graphdef, self.mesh, micro_batches=score_chunks)
-      self.value_update_fn = make_value_update_fn(
-        self.mesh,
-        ValueSettings(
-          clip=algo.value_clip,
-          loss_agg=algo.loss_agg,
-          agg_norm=float(cfg.rollout.max_new_tokens),
-          num_minibatches=algo.num_minibatches,
-          grad_accum=algo.grad_accum,
-        ),
-      )
+      self.value_graphdef, self._value_init_params = nnx.split(value_model)
+    self.learner = build_learner(cfg, self.mesh, self.graphdef, self.value_graphdef)
+    self.rl_tx, self.lr_schedule = self.learner.tx, self.learner.schedule
 
     # ---- checkpoints, logs, host-side bookkeeping
     ck = cfg.checkpoint
@@ -445,29 +302,29 @@ class RLRun:
 
   # ------------------------------------------------------------------ states and checkpoints
 
-  def fresh_state(self, phase: str, params=None) -> TrainState:
-    """A new train state for ``phase`` (``sft`` or ``rl``) from ``params`` (initial weights by default)."""
+  def fresh_state(self, phase: str, params=None) -> TrainState | LearnerState:
+    """A new state for ``phase`` from ``params`` (initial weights by default): the SFT ``TrainState``,
+    or the RL ``LearnerState`` (policy, controllers, critic; the reference is set by :meth:`begin_rl`)."""
     params = self._init_params if params is None else params
     if phase == "sft":
-      return TrainState.create(nnx.merge(self.graphdef, params), self.sft_tx, self._sft_key)
-    a = self.cfg.algo
-    controllers = init_controllers(
-      kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, value_updates=a.value_updates, value_window=a.value_window
-    )
-    if self.use_value:
-      self.value_state = self.fresh_value_state(params)
-    return TrainState.create(nnx.merge(self.graphdef, params), self.rl_tx, self._rl_key, controllers)
+      return TrainState.create(nnx.merge(self.graphdef, params), self.sft_tx, self._sft_key, master_dtype=self.master)
+    policy = TrainState.create(nnx.merge(self.graphdef, params), self.rl_tx, self._rl_key, master_dtype=self.master)
+    controllers = commit_like_params(init_controller_state(self.cfg), params)
+    value = self.fresh_value_state(params) if self.use_value else None
+    return LearnerState(policy=policy, controllers=controllers, value=value)
 
   def fresh_value_state(self, policy_params) -> TrainState:
     """The value model's state at RL step 0: the policy's backbone, a zero head, a fresh optimizer."""
     value_params = jax.tree.map(jnp.copy, self._value_init_params)
     value_params["decoder"] = jax.tree.map(jnp.copy, policy_params["decoder"])
     key = jax.random.fold_in(self._rl_key, 1)
-    return TrainState.create(nnx.merge(self.value_graphdef, value_params), self.value_tx, key)
+    return TrainState.create(
+      nnx.merge(self.value_graphdef, value_params), self.learner.value_tx, key, master_dtype=self.master
+    )
 
   @staticmethod
   def _state_tree(state: TrainState) -> dict[str, Any]:
-    return {
+    tree = {
       "params": state.params,
       "opt_state": state.opt_state,
       "step": state.step,
@@ -475,6 +332,9 @@ class RLRun:
       "lr_scale": state.lr_scale,
       "rng": jax.random.key_data(state.rng),
     }
+    if state.master is not None:
+      tree["master"] = state.master
+    return tree
 
   @staticmethod
   def _state_from_tree(template: TrainState, tree: dict[str, Any]) -> TrainState:
@@ -485,22 +345,30 @@ class RLRun:
       skipped=tree["skipped"],
       lr_scale=tree["lr_scale"],
       rng=jax.random.wrap_key_data(tree["rng"]),
+      master=tree.get("master"),
     )
 
-  def _tree(self, state: TrainState) -> dict[str, Any]:
-    """The checkpointed arrays: the policy state, the controllers, the value state (RL), the loop key."""
-    tree = {**self._state_tree(state), "loop_key": jax.random.key_data(self.key)}
-    if state.controllers is not None:
-      tree["controllers"] = state.controllers
-      if self.use_value:
-        tree["value"] = self._state_tree(self.value_state)
-    return tree
+  def _tree(self, state: TrainState | LearnerState) -> dict[str, Any]:
+    """The checkpointed arrays: the policy state, the controllers and the critic's state (RL), the loop key.
 
-  def _from_tree(self, template: TrainState, tree: dict[str, Any]) -> TrainState:
+    The frozen reference is saved once, beside (``<run_dir>/reference``)."""
+    if isinstance(state, LearnerState):
+      tree = {**self._state_tree(state.policy), "controllers": state.controllers}
+      if state.value is not None:
+        tree["value"] = self._state_tree(state.value)
+    else:
+      tree = self._state_tree(state)
+    return {**tree, "loop_key": jax.random.key_data(self.key)}
+
+  def _from_tree(self, template: TrainState | LearnerState, tree: dict[str, Any]) -> TrainState | LearnerState:
     self.key = jax.random.wrap_key_data(tree["loop_key"])
+    if not isinstance(template, LearnerState):
+      return self._state_from_tree(template, tree)
+    value = template.value
     if "value" in tree:
-      self.value_state = self._state_from_tree(self.value_state, tree["value"])
-    return self._state_from_tree(template, tree).replace(controllers=tree.get("controllers", template.controllers))
+      value = self._state_from_tree(template.value, tree["value"])
+    policy = self._state_from_tree(template.policy, tree)
+    return template.replace(policy=policy, controllers=tree["controllers"], value=value)
 
   def _meta(self, phase: str, step: int, log_step: int, *, policy_version: int, with_data: bool) -> dict[str, Any]:
     """Checkpoint metadata (``checkpoints_schema/checkpoint_meta.v1.json``)."""
@@ -579,9 +447,9 @@ class RLRun:
     self._restore_host_controllers(ctl)
     self.batches.extend(meta["buffer"]["batches"])
     if meta["phase"] == "rl":
-      self._restore_reference(state)
+      state = self._restore_reference(state)
       if ck.rollback_to >= 0 and ck.rollback_reset_optimizer:
-        state = state.replace(opt_state=init_opt_state(state.tx, state.params))
+        state = state.replace(policy=_reset_optimizer(state.policy))
     self.sampler.update_params(state.params)
     what = "rolled back to" if ck.rollback_to >= 0 else "resumed from"
     print(f"{what} {meta['phase']} step {meta['step']} (checkpoint {gstep})", flush=True)
@@ -594,13 +462,13 @@ class RLRun:
     if ctl.get("reward"):
       self.rewarder.load_state_dict(ctl["reward"])
 
-  def _restore_reference(self, state: TrainState) -> None:
+  def _restore_reference(self, state: LearnerState) -> LearnerState:
     if not self.use_kl:
-      return
+      return state
     found = self.ref_ckpt.restore_latest(abstract_like({"params": state.params}, self.mesh))
     if found is None:
       raise RuntimeError(f"{self.run_dir}/reference: the frozen reference policy is missing or corrupted")
-    self.ref_params = found[1]["params"]
+    return state.replace(reference=found[1]["params"])
 
   def open_logger(self, restored: Restored | None) -> None:
     keep = None if restored is None else restored.meta["log_step"]
@@ -657,8 +525,6 @@ class RLRun:
 
   def evaluate(self, params) -> dict[str, float]:
     """Greedy accuracy, unbiased pass@k (k = 1, 8, ..., ``--eval_samples``) and maj@k on the held-out prompts."""
-    from mimo_jax.eval.evaluator import default_ks, evaluate_policy  # the evaluator builds on this module
-
     cfg = self.cfg
     self.key, eval_key = jax.random.split(self.key)
     return evaluate_policy(
@@ -679,16 +545,16 @@ class RLRun:
 
   # ------------------------------------------------------------------ RL
 
-  def begin_rl(self, params, warm: dict[str, float]) -> TrainState:
+  def begin_rl(self, params, warm: dict[str, float]) -> LearnerState:
     """The SFT -> RL transition: freeze the reference, build the RL state, checkpoint step 0."""
     state = self.fresh_state("rl", params)
     if self.use_kl:
-      # The frozen reference: a copy of the warm-started weights, never updated or donated.
-      self.ref_params = jax.tree.map(jnp.copy, state.params)
+      # The frozen reference: a copy of the warm-started weights, never updated.
+      state = state.replace(reference=jax.tree.map(jnp.copy, state.params))
       # A reference left by a transition that was killed before RL step 0 committed is
       # rewritten (it is the same warm-started weights).
       self.ref_ckpt.delete_after(-1)
-      self.ref_ckpt.save(0, {"params": self.ref_params}, self._meta("rl", 0, 0, policy_version=0, with_data=False))
+      self.ref_ckpt.save(0, {"params": state.reference}, self._meta("rl", 0, 0, policy_version=0, with_data=False))
       self.ref_ckpt.wait()
     self.sampler.update_params(state.params)
     self.save("rl", 0, state, 0, warm)
@@ -709,7 +575,7 @@ class RLRun:
     batch = self.rewarder(reward_samples(problems, texts, G, truncated))
     correct = (batch.components["correct"] > 0) & ~batch.failed["correct"]
     values = np.asarray(batch.rewards, np.float32)
-    return Rewards(values, correct, texts, batch.metrics(), batch.histograms())
+    return Rewards(values, correct, texts, batch.metrics(), batch.histograms(), batch.components)
 
   def _generate(self, temperature: float) -> tuple[list[Any], RolloutOutput, int]:
     """Samples a batch of prompts and generates ``num_samples`` completions for each."""
@@ -770,108 +636,67 @@ class RLRun:
     )
     return (*_select_groups(rounds, picks, G), stats)
 
-  def step(self, state: TrainState, step: int) -> tuple[TrainState, dict[str, Any]]:
-    """One RL step: generate -> reward -> score -> advantages -> update (policy, value) -> controllers -> sync."""
-    cfg = self.cfg
-    t0 = time.perf_counter()
-    # Host copies of two state scalars, fetched while nothing is in flight (the previous
-    # step ended with its metrics fetch): the policy version and the critic's pass count.
-    policy_version, value_passes = jax.device_get((state.step, state.controllers.value_updates))
-    # ---- generate and reward (host), with dynamic sampling when on
-    temperature = self.temperature(step)
-    problems, rollout, rewards, gen_stats = self.rollout_batch(temperature)
-    jax.block_until_ready(rollout)
-    t1 = time.perf_counter()
-    # ---- behaviour/reference log-probs, values, dynamic coefficients, advantages (jitted)
-    seqs = SequenceBatch(rollout.prompt_tokens, rollout.prompt_mask, rollout.completion_tokens, rollout.completion_mask)
-    old_logp, ref_logp = self.score_fn(state.params, self.ref_params, seqs, rollout.temperature)
-    values = self.value_fn(self.value_state.params, seqs) if self.use_value else jnp.zeros_like(old_logp)
-    coefs, base_lr = self.coefs_fn(state.controllers, jnp.int32(step), state.step)
-    adv_in = AdvantageInputs(
-      rewards=jnp.asarray(rewards.values),
-      lengths=rollout.lengths,
-      truncated=rollout.finish_reason == FINISH_LENGTH,
-      completion_mask=rollout.completion_mask,
-      old_logprobs=old_logp,
-      ref_logprobs=ref_logp,
-      values=values,
-    )
-    adv_out, controllers, adv_metrics = self.adv_fn(adv_in, state.controllers, coefs)
-    state = state.replace(controllers=controllers)
-    advantages = adv_out.advantages
-    if step in self.nan_steps:
-      # Fault injection (--debug_nan_steps): a NaN advantage poisons every gradient of the step.
-      self.nan_steps.discard(step)
-      advantages = advantages.at[0].set(jnp.nan)
-    batch = PolicyBatch(
+  def experience(self, problems, rollout: RolloutOutput, rewards: Rewards, *, batch_id: int, policy_version: int):
+    """The :class:`Experience` of one rollout batch: the sampler's arrays (on the mesh) and the host's
+    rewards and provenance (small, moved once)."""
+    B = rewards.values.shape[0]
+    G = self.cfg.rollout.num_samples
+    prompt_ids = np.repeat(np.asarray([_prompt_id(p.uid) for p in problems], np.int32), G)
+    return Experience(
       prompt_tokens=rollout.prompt_tokens,
       prompt_mask=rollout.prompt_mask,
       completion_tokens=rollout.completion_tokens,
-      completion_mask=adv_out.loss_mask,
-      advantages=advantages,
-      old_logprobs=old_logp,
-      ref_logprobs=ref_logp,
+      completion_mask=rollout.completion_mask,
+      lengths=rollout.lengths,
+      truncated=rollout.finish_reason == FINISH_LENGTH,
+      rewards=np.asarray(rewards.values, np.float32),
+      reward_components={k: np.asarray(v, np.float32) for k, v in sorted(rewards.components.items())},
+      sampler_logprobs=rollout.sampler_logprobs,
       temperature=rollout.temperature,
+      top_k=np.full((B,), rollout.top_k, np.int32),
+      top_p=np.full((B,), rollout.top_p, np.float32),
+      policy_version=np.full((B,), policy_version, np.int32),
+      prompt_id=prompt_ids[:B],
+      batch_id=np.full((B,), batch_id, np.int32),
     )
-    t2 = time.perf_counter()
-    # ---- updates (states donated), then point the sampler at the new weights
+
+  def step(self, state: LearnerState, step: int) -> tuple[LearnerState, tuple[dict[str, Any], dict[str, Any]]]:
+    """One RL step: rollout (generate -> decode -> reward) -> Experience -> learn (one program) -> sync.
+
+    Returns the new state, the metrics record and the histograms.
+    """
+    cfg = self.cfg
+    t0 = time.perf_counter()
+    # The policy version, read while nothing is in flight (the previous step ended with its metrics fetch).
+    policy_version = int(jax.device_get(state.step))
+    # ---- generate and reward (host), with dynamic sampling when on
+    temperature = self.temperature(step)
+    problems, rollout, rewards, gen_stats = self.rollout_batch(temperature)
+    exp = self.experience(problems, rollout, rewards, batch_id=step, policy_version=policy_version)
+    jax.block_until_ready(rollout)
+    t1 = time.perf_counter()
     self.batches.append(
       {
         "batch_id": step,
-        "policy_version": int(policy_version),
+        "policy_version": policy_version,
         "sampling_params_version": self.sampling_version,
         "status": "consumed",
         "num_rows": int(rewards.values.shape[0]),
         "temperature": float(temperature),
       }
     )
-    train_metrics: dict[str, Any] = {}
-    value_wait = step < cfg.algo.value_warmup_steps
-    if not value_wait:
-      loss_coefs = LossCoefs(
-        kl_coef=coefs.kl_coef,
-        entropy_coef=coefs.entropy_coef,
-        clip_low=coefs.clip_low,
-        clip_high=coefs.clip_high,
-        lr_mult=coefs.lr_mult,
-        clip_norm=coefs.clip_norm,
-      )
-      state, train_metrics = self.update_fn(state, batch, loss_coefs)
-      self.sampler.update_params(state.params)
-    value_metrics: dict[str, Any] = {}
-    if self.use_value:
-      vbatch = ValueBatch(
-        prompt_tokens=rollout.prompt_tokens,
-        prompt_mask=rollout.prompt_mask,
-        completion_tokens=rollout.completion_tokens,
-        completion_mask=rollout.completion_mask,
-        old_values=values,
-        returns=adv_out.returns,
-      )
-      for _ in range(int(value_passes)):
-        self.value_state, value_metrics = self.value_update_fn(self.value_state, vbatch)
-      value_metrics = {**value_metrics, "value_passes": int(value_passes)}
-    signals = StepSignals(
-      kl=train_metrics.get("kl_k3", adv_metrics["kl_prompt_mean"]),
-      entropy=train_metrics.get("entropy", jnp.float32(jnp.nan)),
-      reward_mean=jnp.float32(rewards.values.mean()),
-      value_loss=value_metrics.get("value_loss", jnp.float32(jnp.nan)),
-    )
-    state = state.replace(controllers=self.ctl_update_fn(state.controllers, signals, jnp.int32(step + 1)))
-    train_metrics, adv_metrics, value_metrics, coefs, base_lr, lengths, finish, ctl, lr_scale = jax.device_get(
-      (
-        train_metrics,
-        adv_metrics,
-        value_metrics,
-        coefs,
-        base_lr,
-        rollout.lengths,
-        rollout.finish_reason,
-        state.controllers,
-        state.lr_scale,
-      )
-    )
-    t3 = time.perf_counter()
+    # ---- learn: score -> advantages -> policy update -> critic passes -> controllers (state donated)
+    poison = step in self.nan_steps  # fault injection (--debug_nan_steps): NaN advantages on row 0
+    self.nan_steps.discard(step)
+    state, metrics = self.learner.learn(state, exp, jnp.int32(step), jnp.bool_(poison))
+    self.sampler.update_params(state.params)
+    metrics, lengths, finish = jax.device_get((metrics, rollout.lengths, rollout.finish_reason))
+    t2 = time.perf_counter()
+    coefs, ctl = metrics["coefs"], metrics["controllers"]
+    train_metrics = {} if step < cfg.algo.value_warmup_steps else metrics["train"]
+    value_metrics = dict(metrics["value"])
+    if "value_passes" in value_metrics:
+      value_metrics["value_passes"] = int(value_metrics["value_passes"])
     record = {
       "reward_mean": float(rewards.values.mean()),
       "reward_std": float(rewards.values.std()),
@@ -879,7 +704,7 @@ class RLRun:
       "response_len": float(np.mean(lengths)),
       "truncated_frac": float(np.mean(finish == FINISH_LENGTH)),
       "temperature": temperature,
-      "lr": float(base_lr * lr_scale * coefs.lr_mult),
+      "lr": float(metrics["base_lr"] * metrics["lr_scale"] * coefs.lr_mult),
       "kl_coef": float(coefs.kl_coef + coefs.kl_reward_coef),
       "entropy_coef": float(coefs.entropy_coef),
       "clip_low_now": float(coefs.clip_low),
@@ -891,18 +716,17 @@ class RLRun:
       **gen_stats,
       **rewards.metrics,
       **{k: float(v) for k, v in train_metrics.items()},
-      **{k: float(v) for k, v in adv_metrics.items()},
+      **{k: float(v) for k, v in metrics["advantage"].items()},
       **{k: float(v) for k, v in value_metrics.items()},
       "time_generate_s": t1 - t0 - gen_stats["time_reward_s"],
-      "time_score_s": t2 - t1,
-      "time_train_s": t3 - t2,
-      "time_step_s": t3 - t0,
+      "time_train_s": t2 - t1,  # the learner program: scoring, advantages, policy and critic updates
+      "time_step_s": t2 - t0,
     }
     record["rollout_share"] = record["time_generate_s"] / max(record["time_step_s"], 1e-9)
     hist = {"reward_hist": rewards.values, "response_len_hist": lengths, **rewards.histograms}
     return state, (record, hist)
 
-  def rollback(self, state: TrainState, step: int) -> tuple[TrainState, int]:
+  def rollback(self, state: LearnerState, step: int) -> tuple[LearnerState, int]:
     """After ``max_bad_steps`` non-finite steps: restore the last good checkpoint."""
     ck = self.cfg.checkpoint
     self.ckpt.wait()
@@ -914,9 +738,9 @@ class RLRun:
     gstep, tree, meta = found
     self.ckpt.delete_after(gstep)  # the run continues from here; later steps will be redone
     lr_scale = state.lr_scale * ck.rollback_lr_factor
-    restored = self._from_tree(state, tree).replace(lr_scale=lr_scale)
-    if ck.rollback_reset_optimizer:
-      restored = restored.replace(opt_state=init_opt_state(restored.tx, restored.params))
+    restored = self._from_tree(state, tree)
+    policy = restored.policy.replace(lr_scale=lr_scale)
+    restored = restored.replace(policy=_reset_optimizer(policy) if ck.rollback_reset_optimizer else policy)
     self.data_rng.bit_generator.state = meta["data_rng"]
     self._restore_host_controllers(meta.get("controllers", {}))
     self.batches.clear()

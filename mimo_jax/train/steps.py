@@ -20,11 +20,11 @@ from jax.sharding import Mesh
 from mimo_jax import sharding
 from mimo_jax.models.logprobs import completion_logprobs, completion_stats
 from mimo_jax.models.transformer import positions_from_mask
+from mimo_jax.optim import TrainState, apply_gradients
 from mimo_jax.rl.advantages import gae, group_advantages, masked_mean, masked_var, masked_whiten
 from mimo_jax.rl.controllers import ControllerState, DynamicCoefs, overlong_shaping, shape_rewards
 from mimo_jax.rl.kl import kl_estimate
 from mimo_jax.rl.losses import aggregate, policy_loss, value_loss
-from mimo_jax.train.state import TrainState, apply_gradients
 
 # ----------------------------------------------------------------------------
 # Batches
@@ -147,6 +147,15 @@ def _num_seqs(mask: jax.Array) -> jax.Array:
 
 def _num_tokens(mask: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
+
+
+def _zeros_f32(params: Any) -> Any:
+  """Gradient accumulators: float32 whatever the parameter dtype (bf16 sums lose the small terms)."""
+  return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+
+def _add_f32(acc: Any, grads: Any) -> Any:
+  return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
 
 
 # Metrics combined across micro-batches by max rather than by token-weighted mean.
@@ -439,9 +448,9 @@ def make_update_fn(mesh: Mesh | None, settings: UpdateSettings):
     def accumulate(grads, micro_batch):
       with _rules(mesh):
         (loss, metrics), g = grad_fn(state.params, state.graphdef, micro_batch, coefs, num_tokens, num_seqs, settings)
-      return jax.tree.map(jnp.add, grads, g), metrics
+      return _add_f32(grads, g), metrics
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    zeros = _zeros_f32(state.params)
     grads, metrics = jax.lax.scan(accumulate, zeros, micro)
     metrics = {k: (jnp.max(v) if k in _MAX_METRICS else jnp.sum(v)) for k, v in metrics.items()}
     state, opt_metrics = apply_gradients(
@@ -572,9 +581,9 @@ def make_value_update_fn(mesh: Mesh | None, settings: ValueSettings):
     def accumulate(grads, micro_batch):
       with _rules(mesh):
         (_, metrics), g = grad_fn(state.params, state.graphdef, micro_batch, num_tokens, num_seqs)
-      return jax.tree.map(jnp.add, grads, g), metrics
+      return _add_f32(grads, g), metrics
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    zeros = _zeros_f32(state.params)
     grads, metrics = jax.lax.scan(accumulate, zeros, _split_rows(mb, settings.grad_accum))
     metrics = {k: jnp.sum(v) for k, v in metrics.items()}
     state, opt_metrics = apply_gradients(state, grads, metrics["value_loss"])

@@ -25,6 +25,10 @@ class TrainState(flax.struct.PyTreeNode):
     skipped: int32, updates skipped because the loss or gradients were not finite.
     lr_scale: float32 multiplier on every update (lowered by a non-finite rollback).
     controllers: the RL controllers' state (``rl.controllers.ControllerState``; None in SFT).
+    master: the optimizer's higher-precision copy of ``params`` (mixed precision), or None when
+      the optimizer updates ``params`` directly.  With a master copy the optimizer state is
+      built on it, updates are applied to it, and ``params`` is its cast to the parameter dtype
+      (what the forward passes read).
     graphdef: the static half of ``nnx.split(model)``.
     tx: the optax transformation (static).
   """
@@ -38,33 +42,64 @@ class TrainState(flax.struct.PyTreeNode):
   graphdef: Any = flax.struct.field(pytree_node=False)
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
   controllers: Any = None
+  master: Any = None
 
   @classmethod
   def create(
-    cls, model: nnx.Module, tx: optax.GradientTransformation, rng: jax.Array, controllers: Any = None
+    cls,
+    model: nnx.Module,
+    tx: optax.GradientTransformation,
+    rng: jax.Array,
+    controllers: Any = None,
+    *,
+    master_dtype: Any = None,
   ) -> TrainState:
     """A fresh state for ``model``, every array committed where a jitted step returns it.
 
     Fresh scalars (step counters, the PRNG key, controller state) would otherwise start
     uncommitted on the default device while a step's outputs live on the parameters' mesh:
     the second call of every step would then see new input shardings and compile again.
+
+    Args:
+      model: the module whose parameters are trained.
+      tx: the optimizer.
+      rng: the state's PRNG key.
+      controllers: the RL controllers' state (None in SFT).
+      master_dtype: keep a master copy in this dtype when some parameter has another
+        (e.g. float32 for bfloat16 parameters); None: no copy.
     """
     graphdef, params = nnx.split(model)
+    master = master_copy(params, master_dtype)
     state = cls(
       step=jnp.zeros((), jnp.int32),
       params=params,
-      opt_state=init_opt_state(tx, params),
+      opt_state=init_opt_state(tx, params if master is None else master),
       rng=rng,
       skipped=jnp.zeros((), jnp.int32),
       lr_scale=jnp.ones((), jnp.float32),
       graphdef=graphdef,
       tx=tx,
       controllers=controllers,
+      master=master,
     )
     return commit_like_params(state, params)
 
   def model(self) -> nnx.Module:
     return nnx.merge(self.graphdef, self.params)
+
+
+def master_copy(params: Any, dtype: Any) -> Any:
+  """``params`` cast to ``dtype`` (same shardings), or None when no copy is needed (``dtype`` None, or
+  every parameter already in it)."""
+  if dtype is None:
+    return None
+  dtype = jnp.dtype(dtype)
+  if all(jnp.dtype(x.dtype) == dtype for x in jax.tree.leaves(params)):
+    return None
+  shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), params)
+  if all(isinstance(s, NamedSharding) for s in jax.tree.leaves(shardings, is_leaf=lambda s: s is None)):
+    return jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype), p), out_shardings=shardings)(params)
+  return jax.tree.map(lambda x: x.astype(dtype), params)
 
 
 def commit_like_params(tree: Any, params: Any) -> Any:
@@ -176,7 +211,9 @@ def apply_gradients(
   """Applies ``grads`` unless the loss or any gradient is non-finite.
 
   A non-finite update leaves parameters *and* optimizer state untouched (so a NaN never
-  reaches the weights or Adam's moments) and is counted in ``state.skipped``.
+  reaches the weights or Adam's moments) and is counted in ``state.skipped``.  With a master
+  copy (``state.master``) the gradients are cast to its dtype, the update is applied to it, and
+  the parameters become its cast to their own dtypes.
 
   Args:
     state: the train state.
@@ -197,18 +234,26 @@ def apply_gradients(
   scale = jnp.ones((), jnp.float32)
   if clip_norm is not None:
     scale = jnp.minimum(1.0, clip_norm / jnp.maximum(grad_norm, 1e-12))
+  target = state.params if state.master is None else state.master
+  grads = jax.tree.map(lambda g, t: g.astype(t.dtype), grads, target)
   safe_grads = jax.tree.map(lambda g: jnp.where(finite, g * scale.astype(g.dtype), jnp.zeros_like(g)), grads)
-  updates, new_opt = state.tx.update(safe_grads, state.opt_state, state.params)
+  updates, new_opt = state.tx.update(safe_grads, state.opt_state, target)
   lr = state.lr_scale if lr_mult is None else state.lr_scale * lr_mult
   updates = jax.tree.map(lambda u: (u * lr).astype(u.dtype), updates)
-  new_params = optax.apply_updates(state.params, updates)
+  new_target = optax.apply_updates(target, updates)
 
   def keep(new, old):
     return jnp.where(finite, new, old)
 
+  new_target = jax.tree.map(keep, new_target, target)
+  if state.master is None:
+    new_params, new_master = new_target, None
+  else:
+    new_params, new_master = jax.tree.map(lambda m, p: m.astype(p.dtype), new_target, state.params), new_target
   new_state = state.replace(
     step=state.step + finite.astype(jnp.int32),
-    params=jax.tree.map(keep, new_params, state.params),
+    params=new_params,
+    master=new_master,
     opt_state=jax.tree.map(keep, new_opt, state.opt_state),
     skipped=state.skipped + (~finite).astype(jnp.int32),
   )

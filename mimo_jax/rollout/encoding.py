@@ -1,0 +1,61 @@
+"""Text <-> token batches for the sampler: prompts left-padded to a bucket, targets right-padded, completions
+decoded; and the sampling parameters of a run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from mimo_jax.config import RolloutConfig
+from mimo_jax.rollout.sampler import RolloutOutput, bucket_for, left_pad
+from mimo_jax.rollout.sampling import SamplingParams
+from mimo_jax.tokenization import Tokenizer
+
+
+def sampling_params(cfg: RolloutConfig, tokenizer: Tokenizer) -> SamplingParams:
+  """The run's static sampling parameters: its top-k/top-p, the tokenizer's EOS as the stop id."""
+  return SamplingParams(
+    top_k=cfg.top_k,
+    top_p=cfg.top_p,
+    stop_ids=(tokenizer.eos_id,),
+    pad_id=tokenizer.pad_id,
+    vocab_limit=tokenizer.vocab_size,  # a padded model vocabulary never samples ids the tokenizer lacks
+  )
+
+
+def encode_prompts(
+  tokenizer: Tokenizer, prompts: Sequence[str], buckets: Sequence[int], num_rows: int | None = None
+) -> tuple[np.ndarray, np.ndarray, int]:
+  """Tokenizes (with BOS), left-pads to a bucket, and pads the row count with 1-token fillers.
+
+  A prompt longer than the largest bucket keeps its last tokens (where the question
+  ends and the answer cue sits), so shapes stay static.
+
+  Returns:
+    ``(tokens [rows, P], mask [rows, P], number of prompts that were cut)``.
+  """
+  limit = max(buckets)
+  full = [tokenizer.encode(p, add_bos=tokenizer.bos_id is not None) for p in prompts]
+  truncated = sum(len(i) > limit for i in full)
+  ids = [i[-limit:] for i in full]
+  rows = num_rows or len(ids)
+  ids += [[tokenizer.pad_id]] * (rows - len(ids))
+  tokens, mask = left_pad(ids, bucket_for(max(len(i) for i in ids), buckets), tokenizer.pad_id)
+  return tokens, mask, truncated
+
+
+def encode_targets(tokenizer: Tokenizer, completions: Sequence[str], length: int) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads completion tokens (+ EOS) to ``length``; over-long targets are truncated."""
+  tokens = np.full((len(completions), length), tokenizer.pad_id, np.int32)
+  mask = np.zeros((len(completions), length), bool)
+  for i, c in enumerate(completions):
+    ids = tokenizer.encode(c, add_eos=True)[:length]
+    tokens[i, : len(ids)] = ids
+    mask[i, : len(ids)] = True
+  return tokens, mask
+
+
+def decode_completions(tokenizer: Tokenizer, rollout: RolloutOutput) -> list[str]:
+  tokens, lengths = np.asarray(rollout.completion_tokens), np.asarray(rollout.lengths)
+  return [tokenizer.decode(tokens[i, : lengths[i]].tolist()) for i in range(tokens.shape[0])]

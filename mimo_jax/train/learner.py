@@ -1,0 +1,411 @@
+"""The learner seam: one ``Experience`` in, one compiled, state-donating ``learn`` program out.
+
+::
+
+    RolloutWorker (host + sampler)            Learner (one jitted program, state donated)
+    prompts -> generate -> decode -> rewards  -> Experience -> learn(state, exp, step, poison)
+                                                 score (behaviour + reference log-probs) -> values
+                                                 -> dynamic coefficients -> advantages
+                                                 -> policy update (epochs x minibatches x micro-batches)
+                                                 -> critic passes (as many as its controller asks)
+                                                 -> controllers
+                                              -> (LearnerState, metrics)
+
+Everything the learner reads from a rollout is one :class:`Experience` pytree; everything
+it owns on device is one :class:`LearnerState` pytree.  :func:`build_learner` is a pure
+function of the configuration: the trainer, ``--dry_run`` and the tests build the same
+program from it, so they cannot drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from mimo_jax.config import Config, parse_float_list
+from mimo_jax.optim import TrainState, make_optimizer
+from mimo_jax.rl.controllers import (
+  ControllerSettings,
+  ControllerState,
+  StepSignals,
+  dynamic_coefs,
+  init_controllers,
+  update_controllers,
+)
+from mimo_jax.train.steps import (
+  AdvantageInputs,
+  AdvantageSettings,
+  LossCoefs,
+  PolicyBatch,
+  SequenceBatch,
+  UpdateSettings,
+  ValueBatch,
+  ValueSettings,
+  make_advantage_fn,
+  make_score_fn,
+  make_update_fn,
+  make_value_fn,
+  make_value_update_fn,
+)
+
+# ----------------------------------------------------------------------------
+# The two pytrees of the seam
+# ----------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class Experience:
+  """One rollout batch, the only thing that passes from rollout to learner (``B`` rows, ``P``
+  prompt and ``M`` completion tokens; rows of a prompt's group are contiguous).
+
+  Attributes:
+    prompt_tokens: int32 ``[B, P]``, left-padded.
+    prompt_mask: bool ``[B, P]``.
+    completion_tokens: int32 ``[B, M]``, right-padded.
+    completion_mask: bool ``[B, M]``, the generated tokens (stop token included).
+    lengths: int32 ``[B]`` completion lengths.
+    truncated: bool ``[B]``, the completion hit the length limit.
+    rewards: float32 ``[B]``, the raw mixed reward (what is logged).
+    reward_components: ``{name: float32 [B]}``, each reward source's raw value.
+    sampler_logprobs: float32 ``[B, M]``, the sampler's own log-probs of the sampled tokens
+      (under the truncated top-k/top-p distribution it drew from).
+    temperature: float32 ``[B]``, the sampling temperature of each row.
+    top_k: int32 ``[B]``, the top-k of each row (0: off).
+    top_p: float32 ``[B]``, the top-p of each row (1: off).
+    policy_version: int32 ``[B]``, optimizer updates of the policy that generated each row.
+    prompt_id: int32 ``[B]``, a stable 31-bit id of each row's prompt (from its content hash).
+    batch_id: int32 ``[B]``, the generation batch each row came from.
+  """
+
+  prompt_tokens: jax.Array
+  prompt_mask: jax.Array
+  completion_tokens: jax.Array
+  completion_mask: jax.Array
+  lengths: jax.Array
+  truncated: jax.Array
+  rewards: jax.Array
+  reward_components: dict[str, jax.Array]
+  sampler_logprobs: jax.Array
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  policy_version: jax.Array
+  prompt_id: jax.Array
+  batch_id: jax.Array
+
+  @property
+  def sequences(self) -> SequenceBatch:
+    return SequenceBatch(self.prompt_tokens, self.prompt_mask, self.completion_tokens, self.completion_mask)
+
+
+class LearnerState(flax.struct.PyTreeNode):
+  """All device state of learning, donated into every ``learn`` call.
+
+  Attributes:
+    policy: the policy's ``TrainState`` (params, optimizer state, its RNG, update counters).
+    controllers: every controller's state (KL, entropy, reward shaping, phase, critic passes).
+    reference: the frozen reference policy's params (None without a KL term); never updated.
+    value: the critic's ``TrainState`` (None without a value model).
+  """
+
+  policy: TrainState
+  controllers: ControllerState
+  reference: Any = None
+  value: TrainState | None = None
+
+  # Read-only conveniences: the policy's fields the loop reports.
+  @property
+  def params(self) -> Any:
+    return self.policy.params
+
+  @property
+  def step(self) -> jax.Array:
+    return self.policy.step
+
+  @property
+  def skipped(self) -> jax.Array:
+    return self.policy.skipped
+
+  @property
+  def lr_scale(self) -> jax.Array:
+    return self.policy.lr_scale
+
+
+# ----------------------------------------------------------------------------
+# Settings derived from the configuration (one place, used by the loop and the dry run)
+# ----------------------------------------------------------------------------
+
+
+def uses_kl(cfg: Config) -> bool:
+  return cfg.algo.kl_coef > 0
+
+
+def update_settings(cfg: Config) -> UpdateSettings:
+  a = cfg.algo
+  return UpdateSettings(
+    policy_loss=a.policy_loss,
+    clip_low=a.clip_low,
+    clip_high=a.clip_high,
+    clip_c=a.clip_c if a.policy_loss == "ppo" else None,
+    loss_agg=a.loss_agg,
+    agg_norm=float(cfg.rollout.max_new_tokens),
+    kl_estimator=a.kl_estimator,
+    use_kl=uses_kl(cfg) and a.kl_in == "loss",
+    epochs=a.ppo_epochs,
+    num_minibatches=a.num_minibatches,
+    grad_accum=a.grad_accum,
+    logprob_impl=a.logprob_impl,
+  )
+
+
+def advantage_settings(cfg: Config) -> AdvantageSettings:
+  a = cfg.algo
+  return AdvantageSettings(
+    estimator=a.advantage,
+    group_size=cfg.rollout.num_samples,
+    max_len=cfg.rollout.max_new_tokens,
+    overlong=a.overlong,
+    overlong_buffer=a.overlong_buffer,
+    shape_rewards=a.shapes_rewards,
+    reward_clip_low=a.reward_clip_low,
+    reward_clip_high=a.reward_clip_high,
+    kl_estimator=a.kl_estimator,
+    gamma=a.gae_gamma,
+    lam=a.gae_lambda,
+  )
+
+
+def value_settings(cfg: Config) -> ValueSettings:
+  a = cfg.algo
+  return ValueSettings(
+    clip=a.value_clip,
+    loss_agg=a.loss_agg,
+    agg_norm=float(cfg.rollout.max_new_tokens),
+    num_minibatches=a.num_minibatches,
+    grad_accum=a.grad_accum,
+  )
+
+
+def controller_settings(cfg: Config) -> ControllerSettings:
+  a = cfg.algo
+  return ControllerSettings(
+    total_steps=max(cfg.run.max_steps, 1),
+    batch_size=cfg.data.prompts_per_step * cfg.rollout.num_samples,
+    kl_controller=a.kl_controller,
+    kl_target=a.kl_target,
+    kl_budget_start=a.kl_budget_start,
+    kl_horizon=a.kl_horizon,
+    kl_coef_min=a.kl_coef_min,
+    kl_coef_max=a.kl_coef_max,
+    entropy_controller=a.entropy_controller,
+    entropy_target=a.entropy_target,
+    entropy_lr=a.entropy_lr,
+    entropy_coef_max=a.entropy_coef_max,
+    reward_clip_low=a.reward_clip_low,
+    reward_clip_high=a.reward_clip_high,
+    reward_ema=a.reward_ema,
+    phased=a.phase_schedule,
+    phase_fracs=parse_float_list("phase_fracs", a.phase_fracs, 3),
+    phase_slope_threshold=a.phase_slope_threshold,
+    phase_tolerance=a.phase_tolerance,
+    phase_smoothing=parse_float_list("phase_smoothing", a.phase_smoothing, 3),
+    phase_clip_mults=parse_float_list("phase_clip_mults", a.phase_clip_mults, 3),
+    phase_kl_mults=parse_float_list("phase_kl_mults", a.phase_kl_mults, 3),
+    grad_clip=cfg.optim.grad_clip,
+    grad_clip_lr_linked=cfg.optim.grad_clip_mode == "lr_linked",
+    value_window=max(a.value_window, 2),
+    value_min_updates=a.value_min_updates,
+    value_max_updates=a.value_max_updates if a.value_window else a.value_updates,
+    value_fast_drop=a.value_fast_drop,
+  )
+
+
+def rl_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """The policy's RL optimizer: clipping is dynamic (fixed or LR-linked threshold, applied in
+  ``apply_gradients``); with the phase schedule the LR shape comes from the controllers, on a
+  constant base."""
+  return make_optimizer(cfg.optim, max(cfg.run.max_steps, 1), clip=False, constant=cfg.algo.phase_schedule)
+
+
+def value_optimizer(cfg: Config) -> optax.GradientTransformation:
+  value_optim = dataclasses.replace(cfg.optim, learning_rate=cfg.algo.value_learning_rate, warmup_steps=0)
+  return make_optimizer(value_optim, max(cfg.run.max_steps, 1), constant=True)[0]
+
+
+def init_controller_state(cfg: Config) -> ControllerState:
+  a = cfg.algo
+  return init_controllers(
+    kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, value_updates=a.value_updates, value_window=a.value_window
+  )
+
+
+# ----------------------------------------------------------------------------
+# The learn program
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Learner:
+  """The compiled learn step of one configuration and the optimizers its state was built with.
+
+  Attributes:
+    learn: jitted ``(state, experience, step, poison) -> (state, metrics)``; ``state`` is
+      donated.  ``step`` is the 0-based RL step (int32 scalar); ``poison`` (bool scalar) is a
+      fault-injection input for tests: True replaces row 0's advantages with NaN.
+    tx: the policy optimizer.
+    schedule: its base LR schedule.
+    value_tx: the critic's optimizer (None without a critic).
+  """
+
+  learn: Any
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  value_tx: optax.GradientTransformation | None
+
+
+def _nan_like(tree: Any) -> Any:
+  return jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), tree)
+
+
+def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef: Any = None) -> Learner:
+  """The learner of ``cfg`` on ``mesh``: one program per RL step after the rollout.
+
+  Args:
+    cfg: the run configuration.
+    mesh: the device mesh (None: unsharded).
+    graphdef: the policy's static half (``nnx.split``).
+    value_graphdef: the critic's static half (required with ``--use_value_model``).
+
+  Returns:
+    A :class:`Learner`.  Its program, in order: behaviour and reference log-probs of the
+    rollout at its sampling temperatures, critic values, the step's dynamic coefficients,
+    advantages (shaping statistics advanced), the policy update (skipped inside the program
+    during ``--value_warmup_steps``), ``controllers.value_updates`` critic passes, and the
+    controllers' update from the step's signals.
+  """
+  a = cfg.algo
+  use_kl = uses_kl(cfg)
+  use_value = a.use_value_model
+  if use_value and value_graphdef is None:
+    raise ValueError("build_learner: --use_value_model needs the value model's graphdef")
+  micro = a.num_minibatches * a.grad_accum  # score and value passes over the update's micro-batch rows
+  score = make_score_fn(graphdef, mesh, use_reference=use_kl, logprob_impl=a.logprob_impl, micro_batches=micro)
+  advantages = make_advantage_fn(advantage_settings(cfg))
+  upd_settings = update_settings(cfg)
+  update = make_update_fn(mesh, upd_settings)
+  ctl_settings = controller_settings(cfg)
+  tx, schedule = rl_optimizer(cfg)
+  peak = cfg.optim.learning_rate
+  coefficients = functools.partial(
+    dynamic_coefs,
+    settings=ctl_settings,
+    clip_low=a.clip_low,
+    clip_high=a.clip_high,
+    kl_in_reward=a.kl_in == "reward",
+    use_kl=use_kl,
+  )
+  value_tx = value_optimizer(cfg) if use_value else None
+  values_of = make_value_fn(value_graphdef, mesh, micro_batches=micro) if use_value else None
+  value_update = make_value_update_fn(mesh, value_settings(cfg)) if use_value else None
+  warmup = a.value_warmup_steps
+
+  def learn(state: LearnerState, exp: Experience, step: jax.Array, poison: jax.Array):
+    seqs = exp.sequences
+    # ---- score: behaviour and reference log-probs, critic values
+    old_logp, ref_logp = score(state.policy.params, state.reference, seqs, exp.temperature)
+    values = values_of(state.value.params, seqs) if use_value else jnp.zeros_like(old_logp)
+    # ---- coefficients and advantages
+    base_lr = schedule(state.policy.step)
+    coefs = coefficients(state.controllers, step, base_lr / peak)
+    adv_in = AdvantageInputs(
+      rewards=exp.rewards,
+      lengths=exp.lengths,
+      truncated=exp.truncated,
+      completion_mask=exp.completion_mask,
+      old_logprobs=old_logp,
+      ref_logprobs=ref_logp,
+      values=values,
+    )
+    adv_out, controllers, adv_metrics = advantages(adv_in, state.controllers, coefs)
+    adv = adv_out.advantages
+    adv = adv.at[0].set(jnp.where(poison, jnp.nan, adv[0]))
+    batch = PolicyBatch(
+      prompt_tokens=exp.prompt_tokens,
+      prompt_mask=exp.prompt_mask,
+      completion_tokens=exp.completion_tokens,
+      completion_mask=adv_out.loss_mask,
+      advantages=adv,
+      old_logprobs=old_logp,
+      ref_logprobs=ref_logp,
+      temperature=exp.temperature,
+    )
+    loss_coefs = LossCoefs(
+      kl_coef=coefs.kl_coef,
+      entropy_coef=coefs.entropy_coef,
+      clip_low=coefs.clip_low,
+      clip_high=coefs.clip_high,
+      lr_mult=coefs.lr_mult,
+      clip_norm=coefs.clip_norm,
+    )
+    # ---- policy update (held back while the critic warms up)
+    if warmup > 0:
+      waiting = step < warmup
+      skipped_metrics = _nan_like(jax.eval_shape(update, state.policy, batch, loss_coefs)[1])
+      policy, train_metrics = jax.lax.cond(
+        waiting,
+        lambda p: (p, skipped_metrics),
+        lambda p: update(p, batch, loss_coefs),
+        state.policy,
+      )
+    else:
+      waiting = jnp.zeros((), bool)
+      policy, train_metrics = update(state.policy, batch, loss_coefs)
+    # ---- critic passes: as many as the update-frequency controller set for this step
+    value, value_metrics = state.value, {}
+    if use_value:
+      vbatch = ValueBatch(
+        prompt_tokens=exp.prompt_tokens,
+        prompt_mask=exp.prompt_mask,
+        completion_tokens=exp.completion_tokens,
+        completion_mask=exp.completion_mask,
+        old_values=values,
+        returns=adv_out.returns,
+      )
+      passes = state.controllers.value_updates
+      empty = _nan_like(jax.eval_shape(value_update, state.value, vbatch)[1])
+      value, value_metrics = jax.lax.fori_loop(
+        0, passes, lambda _, carry: value_update(carry[0], vbatch), (state.value, empty)
+      )
+      value_metrics = {**value_metrics, "value_passes": passes.astype(jnp.float32)}
+    # ---- controllers
+    nan = jnp.float32(jnp.nan)
+    kl = adv_metrics["kl_prompt_mean"]
+    if upd_settings.use_kl:
+      kl = jnp.where(waiting, kl, train_metrics["kl_k3"])
+    signals = StepSignals(
+      kl=kl,
+      entropy=jnp.where(waiting, nan, train_metrics["entropy"]),
+      reward_mean=jnp.mean(exp.rewards.astype(jnp.float32)),
+      value_loss=value_metrics.get("value_loss", nan),
+    )
+    controllers = update_controllers(controllers, signals, step + 1, ctl_settings)
+    new_state = state.replace(policy=policy, controllers=controllers, value=value)
+    metrics = {
+      "train": train_metrics,
+      "advantage": adv_metrics,
+      "value": value_metrics,
+      "coefs": coefs,
+      "base_lr": base_lr,
+      "controllers": controllers,
+      "lr_scale": policy.lr_scale,
+    }
+    return new_state, metrics
+
+  return Learner(learn=jax.jit(learn, donate_argnums=(0,)), tx=tx, schedule=schedule, value_tx=value_tx)
