@@ -345,6 +345,14 @@ class CheckpointConfig:
   )
   rollback_reset_optimizer: bool = field(False, "Re-initialise the optimizer state when rolling back.")
   rollback_lr_factor: float = field(0.5, "Multiply the learning rate by this after a non-finite rollback.", gt=0, le=1)
+  max_rollbacks: int = field(
+    3, "End the run (committed state intact) when non-finite steps would need more rollbacks than this.", ge=0
+  )
+  overwrite: bool = field(
+    False,
+    "Start afresh in a run directory that holds another configuration's run, or checkpoints none of which "
+    "restores (its checkpoints, reference, metrics and summary are deleted); refused otherwise.",
+  )
 
   def __post_init__(self):
     check_fields(self)

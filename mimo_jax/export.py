@@ -38,7 +38,7 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str | None
   Returns:
     The checkpoint step exported.
   """
-  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), async_save=False)
+  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), async_save=False, read_only=True)
   try:
     step = ckpt.resolve_step(step)
     meta = ckpt.read_meta(step)

@@ -243,13 +243,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     dry_run(cfg)
     return 0
-  from mimo_jax.train.loop import train
+  from mimo_jax.train.loop import RunAborted, train
 
   try:
     train(cfg)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except RunAborted as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 3
   return 0
 
 

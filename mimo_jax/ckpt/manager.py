@@ -98,18 +98,30 @@ class Checkpointer:
     keep_last: how many of the newest checkpoints to keep.
     keep_every: also keep every step divisible by this (0: none).
     async_save: let saves run in the background (``wait`` before relying on them).
+    read_only: open for reading only: nothing is created, saved or deleted (partial saves
+      are left alone; they may belong to a live trainer).
   """
 
-  def __init__(self, directory: str, *, keep_last: int = 3, keep_every: int = 0, async_save: bool = True):
+  def __init__(
+    self, directory: str, *, keep_last: int = 3, keep_every: int = 0, async_save: bool = True, read_only: bool = False
+  ):
     self.directory = os.path.abspath(directory)
-    os.makedirs(self.directory, exist_ok=True)
-    self._remove_partial_saves()
-    options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep_last,
-      keep_period=keep_every or None,
-      create=True,
-      enable_async_checkpointing=async_save,
-    )
+    self.read_only = read_only
+    if read_only:
+      # A reader (evaluation, export, inspection) never deletes or creates anything: a partial
+      # save may be a live trainer's save in progress.
+      if not os.path.isdir(self.directory):
+        raise FileNotFoundError(f"{self.directory}: no checkpoints directory")
+      options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None)
+    else:
+      os.makedirs(self.directory, exist_ok=True)
+      self._remove_partial_saves()
+      options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep_last,
+        keep_period=keep_every or None,
+        create=True,
+        enable_async_checkpointing=async_save,
+      )
     self._mgr = ocp.CheckpointManager(
       self.directory,
       options=options,
@@ -125,6 +137,8 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
     """Starts saving ``state`` (arrays) and ``meta`` (schema-validated JSON) as ``step``."""
+    if self.read_only:
+      raise PermissionError(f"{self.directory}: opened read-only")
     meta = {**meta, "schema_version": schema.SCHEMA_VERSION, "fingerprint": fingerprint(state)}
     schema.validate(meta)
     self._mgr.save(
@@ -248,6 +262,8 @@ class Checkpointer:
 
   def delete_after(self, step: int) -> None:
     """Deletes every checkpoint newer than ``step`` (used by rollback)."""
+    if self.read_only:
+      raise PermissionError(f"{self.directory}: opened read-only")
     self.wait()
     for s in self.all_steps():
       if s > step:

@@ -514,7 +514,7 @@ def evaluate_checkpoint(
     raise ConfigError(f"cannot rebuild the run from {run_dir}/config.json: {e}") from None
   if not heldout:
     raise ConfigError(f"the run's task has no held-out prompts (eval_prompts={cfg.data.eval_prompts})")
-  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), async_save=False)
+  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), async_save=False, read_only=True)
   try:
     params, meta, step = _restore_policy(ckpt, run_dir, step, mesh)
   finally:

@@ -494,7 +494,7 @@ def load_reward_model(
   directory = os.path.join(run_dir, CHECKPOINT_SUBDIR)
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"{run_dir}: no reward-model checkpoint ({directory} does not exist)")
-  ckpt = Checkpointer(directory, keep_last=1, async_save=False)
+  ckpt = Checkpointer(directory, keep_last=1, async_save=False, read_only=True)
   try:
     step = ckpt.resolve_step(step)
     meta = ckpt.read_meta(step)

@@ -224,7 +224,7 @@ def final_arrays(run_dir: str) -> dict[str, np.ndarray]:
 
   from mimo_jax.ckpt import Checkpointer
 
-  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), async_save=False)
+  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), async_save=False, read_only=True)
   try:
     tree = ckpt.restore_untyped(ckpt.all_steps()[-1])
   finally:

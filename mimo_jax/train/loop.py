@@ -42,6 +42,7 @@ from mimo_jax.rewards.task_rewards import build_task_reward, reward_samples
 from mimo_jax.rollout import FINISH_LENGTH, RolloutOutput, Sampler
 from mimo_jax.rollout.encoding import decode_completions, encode_prompts, encode_targets, sampling_params
 from mimo_jax.tasks.registry import build_task
+from mimo_jax.train import rundir
 from mimo_jax.train.learner import Experience, LearnerState, build_learner, init_controller_state, uses_kl
 from mimo_jax.train.logger import MetricsLogger, format_progress
 from mimo_jax.train.steps import SequenceBatch, make_sft_step
@@ -163,6 +164,10 @@ class Restored:
 
 class Preempted(Exception):
   """Raised at a step boundary after SIGTERM, once the state is checkpointed."""
+
+
+class RunAborted(RuntimeError):
+  """The run cannot go on (e.g. non-finite steps beyond ``--max_rollbacks``); its committed state is intact."""
 
 
 class RLRun:
@@ -426,8 +431,12 @@ class RLRun:
 
     found = self.ckpt.restore_latest(target, at_most=at_most)
     if found is None:
-      print("warning: no intact checkpoint found; starting from scratch", flush=True)
-      return None
+      # Starting afresh in place would overwrite the run's logs and its checkpoints' step numbers.
+      raise ConfigError(
+        f"--run_dir={self.run_dir}: checkpoints exist (steps {self.ckpt.all_steps()}) but none restores "
+        "(corrupted, or written by another model); pass --overwrite to start afresh in this directory, or "
+        "choose another --run_dir"
+      )
     gstep, tree, meta = found
     if ck.rollback_to >= 0:
       if meta["phase"] != "rl" or meta["step"] != ck.rollback_to:
@@ -768,21 +777,38 @@ def train(cfg: Config, *, rollout_factory=None) -> dict[str, Any]:
   """
   t_start = time.perf_counter()
   run_dir = resolve_run_dir(cfg)
-  os.makedirs(run_dir, exist_ok=True)
-  with open(os.path.join(run_dir, "config.json"), "w") as f:
-    f.write(cfg.to_json())
-  run = RLRun(cfg, run_dir, rollout_factory=rollout_factory)
-  restored = run.restore()
-  run.open_logger(restored)
-  previous = signal.signal(signal.SIGTERM, run.request_preemption)
-  try:
-    return _train(run, restored, t_start)
-  except Preempted as e:
-    print(f"preempted: state saved at {e}; rerun the same command to resume", flush=True)
-    return {"preempted": True, "run_dir": run_dir}
-  finally:
-    signal.signal(signal.SIGTERM, previous)
-    run.close()
+  with rundir.RunDirLock(run_dir):  # one trainer per run directory, for the whole run
+    _claim(cfg, run_dir)
+    run = RLRun(cfg, run_dir, rollout_factory=rollout_factory)
+    try:
+      restored = run.restore()  # refuses checkpoints none of which restores: nothing is written before
+      rundir.write_atomic(os.path.join(run_dir, "config.json"), cfg.to_json())
+      run.open_logger(restored)
+      previous = signal.signal(signal.SIGTERM, run.request_preemption)
+      try:
+        return _train(run, restored, t_start)
+      except Preempted as e:
+        print(f"preempted: state saved at {e}; rerun the same command to resume", flush=True)
+        return {"preempted": True, "run_dir": run_dir}
+      finally:
+        signal.signal(signal.SIGTERM, previous)
+    finally:
+      run.close()
+
+
+def _claim(cfg: Config, run_dir: str) -> None:
+  """Refuses a run directory that holds another configuration's run (unless ``--overwrite``, which clears
+  it)."""
+  previous = rundir.read_config(run_dir)
+  if cfg.checkpoint.overwrite:
+    rundir.clear(run_dir)
+  elif previous is not None:
+    mismatches = rundir.identity_mismatches(previous, cfg.to_dict())
+    if mismatches:
+      raise ConfigError(
+        f"--run_dir={run_dir} holds another configuration's run ({'; '.join(mismatches)}); resuming would "
+        "train another model. Pass --overwrite to replace it, or choose another --run_dir"
+      )
 
 
 def _train(run: RLRun, restored: Restored | None, t_start: float) -> dict[str, Any]:
@@ -817,6 +843,13 @@ def _train(run: RLRun, restored: Restored | None, t_start: float) -> dict[str, A
     run.bad_steps = run.bad_steps + 1 if bad else 0
     run.nonfinite_steps += int(bad)
     if run.bad_steps >= cfg.checkpoint.max_bad_steps:
+      if run.rollbacks >= cfg.checkpoint.max_rollbacks:
+        bar.close()
+        raise RunAborted(
+          f"{run.bad_steps} consecutive non-finite steps at RL step {step} after {run.rollbacks} rollbacks "
+          f"(--max_rollbacks={cfg.checkpoint.max_rollbacks}): stopping. The last good checkpoint (RL step "
+          f"{run.last_good_step}) is intact; lower --learning_rate or raise --max_rollbacks and rerun to resume"
+        )
       state, step = run.rollback(state, step)
       bar.reset(total=cfg.run.max_steps)
       bar.update(step)
@@ -830,12 +863,14 @@ def _train(run: RLRun, restored: Restored | None, t_start: float) -> dict[str, A
     if step % cfg.logging.log_every == 0:
       bar.set_postfix_str(format_progress(logged, PROGRESS_KEYS))
     stop = run.should_stop()
-    # The last step is saved after the final evaluation, below.
-    if ((every and step % every == 0) or stop) and step < cfg.run.max_steps:
+    # The last step is saved after the final evaluation, below. A step whose update was non-finite is
+    # never saved: with --keep_last it would evict the last good checkpoint a rollback needs.
+    saved = run.bad_steps == 0
+    if ((every and step % every == 0) or stop) and step < cfg.run.max_steps and saved:
       run.save("rl", step, state, step, warm)
     if stop and step < cfg.run.max_steps:
       bar.close()
-      raise Preempted(f"RL step {step}")
+      raise Preempted(f"RL step {step}" if saved else f"RL step {run.last_good_step} (the last good step)")
   bar.close()
 
   final = run.evaluate(state.params)
