@@ -2,15 +2,33 @@
 
 XLA reads the device count when the backend starts, so this must run before anything
 imports jax.
+
+One persistent compilation cache for the session (a fresh directory, so nothing carries over
+between sessions): the many end-to-end runs compile the same programs, and the subprocesses
+of the kill/resume and SIGTERM tests inherit it through the environment. No-recompile tests
+still see every program the loop asks for: ``count_compilations`` counts cache hits too.
 """
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="mimo_jax_xla_cache_")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_sessionfinish(session, exitstatus):
+  if _OWN_CACHE is not None:
+    import shutil
+
+    shutil.rmtree(_OWN_CACHE, ignore_errors=True)

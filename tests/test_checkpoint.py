@@ -229,11 +229,11 @@ def test_kill_9_at_progress_points_then_resume_is_bit_identical(tmp_path):
   """Four kills spread over the RL phase (mid-save, after a metrics line, after a commit, mid-save),
   each triggered by progress on disk, so a slower machine kills at the same steps."""
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-  max_steps = 32
+  max_steps = 20
   flags = [
     f"--flagfile={FLAGFILE}",
     "--model_preset=tiny",
-    "--sft_steps=20",
+    "--sft_steps=10",
     "--sft_batch_size=16",
     f"--max_steps={max_steps}",
     "--prompts_per_step=8",
