@@ -18,10 +18,11 @@ from mimo_jax.main import main, parse_config
 from mimo_jax.models import Transformer, create_sharded
 from mimo_jax.models.config import tiny
 from mimo_jax.optim import TrainState, make_optimizer
+from mimo_jax.rl.controllers import DynamicCoefs
 from mimo_jax.rollout import Sampler, SamplingParams, left_pad
 from mimo_jax.sharding import MeshConfig, build_mesh
 from mimo_jax.testing import count_compilations
-from mimo_jax.train.steps import LossCoefs, PolicyBatch, SequenceBatch, UpdateSettings, make_score_fn, make_update_fn
+from mimo_jax.train.steps import PolicyBatch, SequenceBatch, UpdateSettings, make_score_fn, make_update_fn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,7 +64,7 @@ def _state(model, lr=1e-2, tx=None):
   return TrainState.create(model, tx, jax.random.key(0))
 
 
-COEFS = LossCoefs(kl_coef=jnp.float32(0.05), entropy_coef=jnp.float32(0.01))
+COEFS = DynamicCoefs(kl_coef=jnp.float32(0.05), entropy_coef=jnp.float32(0.01))
 
 
 def test_scored_old_logprobs_equal_rollout_logprobs():

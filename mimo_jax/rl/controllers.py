@@ -539,12 +539,17 @@ def update_controllers(
 
 @flax.struct.dataclass
 class DynamicCoefs:
-  """The update step's dynamic coefficients for one RL step (float32 scalars).
+  """The dynamic coefficients of one RL step (float32 scalars): the one type the controllers
+  produce and the advantage and update functions read, so none is copied field by field.
+
+  :func:`dynamic_coefs` fills every field; a caller driving the update by hand (a test, a
+  benchmark) may give only the loss coefficients, and a field left None means "the static
+  setting" (the ``UpdateSettings`` clip range, no LR multiplier, no dynamic clip).
 
   Attributes:
     kl_coef: KL coefficient applied in the loss (0 when KL is in the reward or off).
-    kl_reward_coef: KL coefficient applied to the reward (0 when KL is in the loss or off).
     entropy_coef: entropy-bonus coefficient.
+    kl_reward_coef: KL coefficient applied to the reward (0 when KL is in the loss or off).
     clip_low, clip_high: the PPO clip range this step.
     lr_mult: multiplier of the optimizer's update (phase LR shape; 1 without phases).
     clip_norm: the global-norm gradient clip threshold (inf: off).
@@ -552,13 +557,13 @@ class DynamicCoefs:
   """
 
   kl_coef: jax.Array
-  kl_reward_coef: jax.Array
   entropy_coef: jax.Array
-  clip_low: jax.Array
-  clip_high: jax.Array
-  lr_mult: jax.Array
-  clip_norm: jax.Array
-  reward_decay: jax.Array
+  kl_reward_coef: jax.Array | None = None
+  clip_low: jax.Array | None = None
+  clip_high: jax.Array | None = None
+  lr_mult: jax.Array | None = None
+  clip_norm: jax.Array | None = None
+  reward_decay: jax.Array | None = None
 
 
 def dynamic_coefs(

@@ -42,7 +42,6 @@ from mimo_jax.rl.controllers import (
 from mimo_jax.train.steps import (
   AdvantageInputs,
   AdvantageSettings,
-  LossCoefs,
   PolicyBatch,
   SequenceBatch,
   UpdateSettings,
@@ -346,27 +345,19 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
       ref_logprobs=ref_logp,
       temperature=exp.temperature,
     )
-    loss_coefs = LossCoefs(
-      kl_coef=coefs.kl_coef,
-      entropy_coef=coefs.entropy_coef,
-      clip_low=coefs.clip_low,
-      clip_high=coefs.clip_high,
-      lr_mult=coefs.lr_mult,
-      clip_norm=coefs.clip_norm,
-    )
     # ---- policy update (held back while the critic warms up)
     if warmup > 0:
       waiting = step < warmup
-      skipped_metrics = _nan_like(jax.eval_shape(update, state.policy, batch, loss_coefs)[1])
+      skipped_metrics = _nan_like(jax.eval_shape(update, state.policy, batch, coefs)[1])
       policy, train_metrics = jax.lax.cond(
         waiting,
         lambda p: (p, skipped_metrics),
-        lambda p: update(p, batch, loss_coefs),
+        lambda p: update(p, batch, coefs),
         state.policy,
       )
     else:
       waiting = jnp.zeros((), bool)
-      policy, train_metrics = update(state.policy, batch, loss_coefs)
+      policy, train_metrics = update(state.policy, batch, coefs)
     # ---- critic passes: as many as the update-frequency controller set for this step
     value, value_metrics = state.value, {}
     if use_value:

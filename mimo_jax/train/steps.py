@@ -73,27 +73,6 @@ class PolicyBatch:
   temperature: jax.Array
 
 
-@flax.struct.dataclass
-class LossCoefs:
-  """Dynamic coefficients of the update (controllers change them every step without recompiling).
-
-  Attributes:
-    kl_coef: KL-to-reference coefficient in the loss.
-    entropy_coef: entropy-bonus coefficient.
-    clip_low, clip_high: the PPO clip range (None: the static ``UpdateSettings`` values).
-    lr_mult: multiplier of the optimizer update (None: 1).
-    clip_norm: global-norm gradient clip threshold applied before the optimizer (None: none
-      beyond the optimizer's own).
-  """
-
-  kl_coef: jax.Array
-  entropy_coef: jax.Array
-  clip_low: jax.Array | None = None
-  clip_high: jax.Array | None = None
-  lr_mult: jax.Array | None = None
-  clip_norm: jax.Array | None = None
-
-
 @dataclasses.dataclass(frozen=True)
 class UpdateSettings:
   """Static settings of the policy update (hashable; part of the compiled function).
@@ -384,7 +363,7 @@ def make_advantage_fn(settings: AdvantageSettings):
 
 
 def policy_objective(
-  params: Any, graphdef: Any, mb: PolicyBatch, coefs: LossCoefs, num_tokens, num_seqs, settings: UpdateSettings
+  params: Any, graphdef: Any, mb: PolicyBatch, coefs: DynamicCoefs, num_tokens, num_seqs, settings: UpdateSettings
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Policy-gradient loss + KL penalty - entropy bonus for one micro-batch.
 
@@ -441,7 +420,7 @@ def make_update_fn(mesh: Mesh | None, settings: UpdateSettings):
   """
   grad_fn = jax.value_and_grad(policy_objective, has_aux=True)
 
-  def minibatch_update(state: TrainState, coefs: LossCoefs, mb: PolicyBatch):
+  def minibatch_update(state: TrainState, coefs: DynamicCoefs, mb: PolicyBatch):
     num_tokens, num_seqs = _num_tokens(mb.completion_mask), _num_seqs(mb.completion_mask)
     micro = _split_rows(mb, settings.grad_accum)
 
@@ -458,7 +437,7 @@ def make_update_fn(mesh: Mesh | None, settings: UpdateSettings):
     )
     return state, {**metrics, **opt_metrics}
 
-  def update(state: TrainState, batch: PolicyBatch, coefs: LossCoefs):
+  def update(state: TrainState, batch: PolicyBatch, coefs: DynamicCoefs):
     B = batch.advantages.shape[0]
 
     def epoch(state, _):
