@@ -304,6 +304,12 @@ class DataConfig:
   )
   reward_workers: int = field(0, "Reward worker processes with per-sample timeouts (0: in-process).", ge=0)
   reward_timeout_s: float = field(10.0, "Per-sample reward time limit in the workers (seconds).", gt=0)
+  allow_weak_sandbox: bool = field(
+    False,
+    "Tasks that run model-written code (humaneval): go on where the sandbox has no kernel isolation (user, "
+    "mount, network and PID namespaces), with Python-level guards only. Guard mode is NOT containment: "
+    "determined code escapes it. Off: such a run is refused before any compute.",
+  )
   reward_normalize: str = field(
     "none", "Reward components: mixed raw, or standardised per task first.", choices=("none", "task_running")
   )
@@ -425,6 +431,10 @@ CONCERN_CLASSES: dict[str, type] = {
   "checkpoint": CheckpointConfig,
   "logging": LoggingConfig,
 }
+# Keys a run's ``config.json`` may hold besides the concerns: records of the machine the run last
+# started on (e.g. the sandbox isolation in effect), not settings.  Readers that rebuild a Config
+# skip them, and a resume never compares them (the next machine may legitimately differ).
+RUN_RECORD_KEYS = ("sandbox",)
 
 
 def validate(cfg: Config, num_devices: int) -> None:

@@ -241,7 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   if cfg.run.dry_run:
     from mimo_jax.train.dry_run import dry_run
 
-    dry_run(cfg)
+    try:
+      dry_run(cfg)
+    except ConfigError as e:  # e.g. a code task without kernel isolation, as the trainer would refuse
+      print(f"error: {e}", file=sys.stderr)
+      return 2
     return 0
   from mimo_jax.train.loop import RunAborted, train
 

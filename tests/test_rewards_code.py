@@ -285,15 +285,29 @@ def test_exceptions_cross_by_builtin_type() -> None:
     "def f(kind):\n"
     "    if kind == 'value':\n        raise ValueError('bad value')\n"
     "    if kind == 'assert':\n        raise AssertionError('fake')\n"
+    "    if kind == 'stop':\n        raise StopIteration('stop')\n"
+    "    if kind == 'stop_async':\n        raise StopAsyncIteration\n"
+    "    if kind == 'generator_exit':\n        raise GeneratorExit\n"
+    "    if kind == 'keyboard':\n        raise KeyboardInterrupt\n"
+    "    if kind == 'exit':\n        raise SystemExit(0)\n"
+    "    if kind == 'decode':\n        b'\\xff'.decode('utf-8')\n"
     "    raise Custom('custom')\n"
   )
+  # Control-flow exceptions, the program's own classes and ones that cannot be rebuilt
+  # from a message arrive as RuntimeError naming the original.
   tests = (
     "def check(candidate):\n"
-    "    for kind, expected in (('value', ValueError), ('assert', RuntimeError), ('custom', RuntimeError)):\n"
+    "    cases = (('value', ValueError, 'bad value'), ('assert', RuntimeError, 'AssertionError: fake'),\n"
+    "             ('stop', RuntimeError, 'StopIteration: stop'), ('stop_async', RuntimeError, 'StopAsyncIteration'),\n"
+    "             ('generator_exit', RuntimeError, 'GeneratorExit'), ('keyboard', RuntimeError, 'KeyboardInterrupt'),\n"
+    "             ('exit', RuntimeError, 'SystemExit'), ('decode', RuntimeError, 'UnicodeDecodeError'),\n"
+    "             ('custom', RuntimeError, 'Custom: custom'))\n"
+    "    for kind, expected, text in cases:\n"
     "        try:\n"
     "            candidate(kind)\n"
-    "        except expected as e:\n"
+    "        except BaseException as e:\n"
     "            assert type(e) is expected, (kind, type(e))\n"
+    "            assert text in str(e), (kind, str(e))\n"
     "        else:\n"
     "            raise SystemError('no exception')\n"
   )
@@ -301,11 +315,139 @@ def test_exceptions_cross_by_builtin_type() -> None:
   assert verdict.passed, verdict.detail
 
 
+# Test forms whose loop a StopIteration (or StopAsyncIteration) out of a call would end
+# early, so that they pass without checking anything: name -> (check body, whether the
+# naive checker, which calls the program in-process, is fooled).  A generator expression
+# is not fooled (PEP 479 makes the StopIteration a RuntimeError) but must stay a failure.
+EARLY_EXIT_CHECKS = {
+  "all_map": ("    assert all(map(lambda x: candidate(x) == x * 2, [1, 2, 3]))\n", True),
+  "all_generator": ("    assert all(candidate(x) == x * 2 for x in [1, 2, 3])\n", False),
+  "filter": ("    assert not list(filter(lambda x: candidate(x) != x * 2, [1, 2, 3]))\n", True),
+  "zip": ("    for x, y in zip([1, 2, 3], map(candidate, [1, 2, 3])):\n        assert y == x * 2\n", True),
+  "iter_sentinel": ("    for y in iter(lambda: candidate(1), 2):\n        raise AssertionError(y)\n", True),
+  "not_any_map": ("    assert not any(map(lambda x: candidate(x) != x * 2, [1, 2, 3]))\n", True),
+  "async_for": (
+    "    class Calls:\n"
+    "        def __init__(self):\n"
+    "            self.xs = [1, 2, 3]\n"
+    "        def __aiter__(self):\n"
+    "            return self\n"
+    "        async def __anext__(self):\n"
+    "            if not self.xs:\n"
+    "                raise StopAsyncIteration\n"
+    "            x = self.xs.pop(0)\n"
+    "            return x, candidate(x)\n"
+    "    async def run():\n"
+    "        async for x, y in Calls():\n"
+    "            assert y == x * 2\n"
+    "    coroutine = run()\n"
+    "    try:\n"
+    "        coroutine.send(None)\n"
+    "    except StopIteration:\n"
+    "        pass\n"
+    "    else:\n"
+    "        raise AssertionError('the coroutine suspended')\n",
+    True,
+  ),
+}
+
+
+@pytest.mark.parametrize("raised", ["StopIteration", "StopAsyncIteration"])
+@pytest.mark.parametrize("form", list(EARLY_EXIT_CHECKS))
+def test_stop_iteration_cannot_end_a_test_loop(form: str, raised: str) -> None:
+  body, fools_weak = EARLY_EXIT_CHECKS[form]
+  tests = "def check(candidate):\n" + body
+  good = "def f(x):\n    return x * 2\n"
+  assert unit_test_result(good, tests, "f").passed
+  program = f"def f(x):\n    raise {raised}\n"
+  verdict = unit_test_result(program, tests, "f")
+  assert (verdict.passed, verdict.reason) == (False, "failed")
+  assert raised in verdict.detail
+  assert unit_test_reward(program, tests, "f") == 0.0
+  # Positive control: the form really is open to the trick when the program shares the tests' process.
+  if raised == "StopAsyncIteration" and form != "async_for":
+    return  # a StopAsyncIteration ends only async loops
+  if raised == "StopIteration" and form == "async_for":
+    return  # inside a coroutine a StopIteration becomes RuntimeError (PEP 479)
+  assert weak_test_reward(program, tests, "f") == float(fools_weak)
+
+
+# Writes a forged reply frame (a malformed int) to T's reply pipe: the last write-only pipe
+# it holds beyond stderr, as H creates the reply pipe last.
+_FORGED_REPLY = (
+  "import fcntl, json, os, stat, struct\n"
+  "def f(x):\n"
+  "    fds = [fd for fd in range(3, 256) if _write_only_pipe(fd)]\n"
+  "    frame = json.dumps({'ok': {'i': 'forged'}}).encode()\n"
+  "    os.write(max(fds), struct.pack('>I', len(frame)) + frame)\n"
+  "    return x\n"
+  "def _write_only_pipe(fd):\n"
+  "    try:\n"
+  "        mode = os.fstat(fd).st_mode\n"
+  "        flags = fcntl.fcntl(fd, fcntl.F_GETFL)\n"
+  "    except OSError:\n"
+  "        return False\n"
+  "    return stat.S_ISFIFO(mode) and flags & os.O_ACCMODE == os.O_WRONLY\n"
+)
+
+
+def test_a_reply_that_fails_to_decode_cannot_pose_as_the_programs_exception(sandbox_mode: str) -> None:
+  tests = (
+    "def check(candidate):\n"
+    "    try:\n"
+    "        candidate(-1)\n"
+    "    except ValueError:\n"
+    "        pass\n"
+    "    else:\n"
+    "        raise AssertionError('no ValueError for a negative input')\n"
+  )
+  honest = "def f(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x\n"
+  assert unit_test_result(honest, tests, "f").passed
+  # Decoding the forged int raises ValueError in H; it must reach the tests as the harness's own error.
+  verdict = unit_test_result(_FORGED_REPLY, tests, "f")
+  assert (verdict.passed, verdict.reason) == (False, "failed")
+  assert "CandidateDied" in verdict.detail and "forged" in verdict.detail
+
+
 def test_unencodable_results_fail() -> None:
   program = "def f():\n    return object()\n"
   verdict = unit_test_result(program, "def check(candidate):\n    candidate()\n", "f")
   assert verdict.reason == "failed"
   assert "cannot cross the sandbox boundary" in verdict.detail
+
+
+# ---- text that is not valid Unicode ------------------------------------------------------
+
+# A tokenizer's decode can produce a lone surrogate, which cannot be encoded as UTF-8.
+SURROGATE_PROGRAM = PROMPT + "    return a + b  # \ud800\n"
+
+
+def test_lone_surrogates_score_zero_without_raising() -> None:
+  verdict = unit_test_result(SURROGATE_PROGRAM, TESTS, "add", context=PROMPT)
+  assert (verdict.passed, verdict.reason, verdict.sandbox) == (False, "invalid_text", None)
+  assert "surrogate" in verdict.detail
+  verdict.detail.encode("utf-8")
+  assert unit_test_reward(SURROGATE_PROGRAM, TESTS, "add", context=PROMPT) == 0.0
+  assert weak_test_reward(SURROGATE_PROGRAM, TESTS, "add") == 0.0
+  assert probe_components(SURROGATE_PROGRAM, TESTS, "add", context=PROMPT) == {
+    "strict": 0.0,
+    "weak": 0.0,
+    "hacked": 0.0,
+  }
+  # extract_code only slices strings: it passes the surrogate on, and the reward rejects it.
+  program = extract_code("```python\ndef add(a, b):\n    return a + b  # \ud800\n```", PROMPT)
+  assert "\ud800" in program
+  assert unit_test_result(program, TESTS, "add", context=PROMPT).reason == "invalid_text"
+  assert weak_test_reward(program, TESTS, "add") == 0.0
+
+
+def test_surrogates_echoed_back_in_details_are_escaped() -> None:
+  # Built at run time: the program's text is valid, its exception message is not.
+  program = "def f():\n    raise ValueError('bad ' + chr(0xD800))\n"
+  verdict = unit_test_result(program, "def check(candidate):\n    candidate()\n", "f")
+  assert (verdict.passed, verdict.reason) == (False, "failed")
+  assert "ValueError: bad \\ud800" in verdict.detail
+  verdict.detail.encode("utf-8")
 
 
 # ---- extract_code ------------------------------------------------------------------------

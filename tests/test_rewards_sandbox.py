@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -54,12 +55,27 @@ def _processes_mentioning(text: str) -> list[int]:
   return found
 
 
+def _processes_in_pid_namespace(ns: str) -> list[int]:
+  """Pids of live processes in the PID namespace ``ns`` (``readlink /proc/<pid>/ns/pid``)."""
+  found = []
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        if os.readlink(f"/proc/{entry}/ns/pid") == ns:
+          found.append(int(entry))
+      except OSError:
+        continue
+  return found
+
+
 def _wait_until_gone(text: str, seconds: float = 60.0) -> list[int]:
+  """Waits until no process mentions ``text``: a host path (guard mode) or a ``pid:[...]`` namespace."""
+  find = _processes_in_pid_namespace if text.startswith("pid:[") else _processes_mentioning
   end = time.monotonic() + seconds
-  left = _processes_mentioning(text)
+  left = find(text)
   while left and time.monotonic() < end:
     time.sleep(0.05)
-    left = _processes_mentioning(text)
+    left = find(text)
   return left
 
 
@@ -92,15 +108,29 @@ def test_exit_status_and_signals_are_reported(mode: str | None) -> None:
   assert (killed.exit_code, killed.signal, killed.timed_out) == (None, signal.SIGKILL, False)
 
 
-def test_code_runs_as_main_in_a_fresh_directory_that_is_removed(mode: str | None) -> None:
+def test_code_runs_as_main_in_a_fresh_directory_that_is_removed(
+  mode: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
   code = "import os\nprint(__name__)\nprint(os.getcwd())\nprint(sorted(os.listdir('.')))\nopen('scratch.txt', 'w').write('ok')"
+  made: list[str] = []
+  mkdtemp = tempfile.mkdtemp
+
+  def recording_mkdtemp(*args: object, **kwargs: object) -> str:
+    made.append(mkdtemp(*args, **kwargs))  # type: ignore[arg-type]
+    return made[-1]
+
+  monkeypatch.setattr(sandbox.tempfile, "mkdtemp", recording_mkdtemp)
   result = _run(code, mode)
   assert result.ok, result.stderr
   name, cwd, listing = result.stdout.splitlines()
   assert name == "__main__"
   assert listing == "[]"
-  assert os.path.basename(os.path.dirname(cwd)).startswith("mimo-sandbox-")
-  assert not os.path.exists(os.path.dirname(cwd))
+  if result.isolation == "namespace":
+    assert cwd == "/work"  # its own root: the host's path of the directory is not even visible
+  else:
+    assert os.path.basename(os.path.dirname(cwd)).startswith("mimo-sandbox-")
+  assert made and all(os.path.basename(d).startswith("mimo-sandbox-") for d in made)  # (and the probe's)
+  assert not any(os.path.exists(d) for d in made)  # removed afterwards
 
 
 def test_no_capabilities_no_new_privileges_and_no_host_root(mode: str | None) -> None:
@@ -169,7 +199,7 @@ def test_fork_bomb_is_contained_and_cleaned_up(mode: str | None, escape: bool) -
   child = "os.setsid()" if escape else "pass"
   code = (
     "import os\n"
-    "print(os.getcwd(), flush=True)\n"
+    "print(os.getcwd(), os.readlink('/proc/self/ns/pid'), flush=True)\n"
     "while True:\n"
     "  try:\n"
     "    if os.fork() == 0:\n"
@@ -179,10 +209,14 @@ def test_fork_bomb_is_contained_and_cleaned_up(mode: str | None, escape: bool) -
   )
   result = _run(code, mode, timeout_s=1.5)
   assert result.timed_out
-  root = os.path.dirname(result.stdout.splitlines()[0])
-  assert root.startswith(tempfile.gettempdir())
-  assert _wait_until_gone(root) == []
-  assert not os.path.exists(root)
+  cwd, pid_ns = result.stdout.splitlines()[0].split()
+  if result.isolation == "namespace":
+    assert _wait_until_gone(pid_ns) == []  # nothing left in its PID namespace
+  else:
+    root = os.path.dirname(cwd)
+    assert root.startswith(tempfile.gettempdir())
+    assert _wait_until_gone(root) == []
+    assert not os.path.exists(root)
   assert _host_can_spawn()
 
 
@@ -383,9 +417,12 @@ def test_isolation_report_matches_what_code_observes() -> None:
   assert sandbox.network_isolation() == iso.network
   assert sandbox.filesystem_isolation() == iso.filesystem
   if iso.mode == "namespace":
-    assert (iso.network, iso.filesystem, iso.processes) == ("namespace", "read-only-mounts", "pid-namespace")
-    assert iso.proc in ("private", "hidden")
-    result = run_python("import os, socket\nprint([n for _, n in socket.if_nameindex()])\nprint(os.getpid())")
+    assert (iso.network, iso.filesystem, iso.processes) == ("namespace", "minimal-root", "pid-namespace")
+    assert iso.proc in ("private", "hidden") and iso.oom_score_adj == 1000
+    code = (
+      "import os\nprint([l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]])\nprint(os.getpid())"
+    )
+    result = run_python(code)
     assert result.stdout.split() == ["['lo']", "2"]
   else:
     assert (iso.network, iso.filesystem) == ("python-guard", "python-guard")
@@ -432,3 +469,209 @@ def test_forcing_an_unavailable_namespace_mode_fails(monkeypatch: pytest.MonkeyP
 def test_rejects_bad_arguments(kwargs: dict[str, object], message: str) -> None:
   with pytest.raises(ValueError, match=message):
     run_python("print(1)", **kwargs)  # type: ignore[arg-type]
+
+
+# ---- attacks an adversarial policy would try (namespace mode: the kernel's guarantees) -------
+
+
+def _outcomes(result: SandboxResult) -> dict[str, str]:
+  assert result.ok, result.stderr
+  return dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
+
+
+_TRY = (
+  "import errno, os, socket, sys\n"
+  # Guard mode's Python-level block on ctypes is one line to undo: the kernel filter must hold anyway.
+  "for name in ('ctypes', '_ctypes'):\n"
+  "  sys.modules.pop(name, None)\n"
+  "def attempt(name, fn):\n"
+  "  try:\n"
+  "    fn()\n"
+  "    print(name, 'done', flush=True)\n"
+  "  except OSError as e:\n"
+  "    print(name, errno.errorcode.get(e.errno, type(e).__name__), flush=True)\n"
+)
+
+
+def test_host_unix_sockets_are_unreachable(mode: str | None, tmp_path: os.PathLike[str]) -> None:
+  """Pathname and abstract unix sockets on the host, the reward pool's forkserver among them."""
+  import multiprocessing
+  from multiprocessing import forkserver
+
+  ctx = multiprocessing.get_context("forkserver")
+  proc = ctx.Process(target=print, args=("",))
+  proc.start()
+  proc.join()
+  forkserver_address = forkserver._forkserver._forkserver_address  # the socket that unpickles what it gets
+  assert forkserver_address and os.path.exists(forkserver_address)
+  listen_dir = tempfile.mkdtemp()
+  os.chmod(listen_dir, 0o755)
+  pathname = os.path.join(listen_dir, "trainer.sock")
+  abstract = f"\0mimo-sandbox-test-{os.getpid()}"
+  servers = []
+  for address in (pathname, abstract):
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(address)
+    server.listen(4)
+    servers.append(server)
+  os.chmod(pathname, 0o777)
+  lines = [_TRY]
+  for name, address in (("forkserver", forkserver_address), ("pathname", pathname), ("abstract", abstract)):
+    lines.append(f"attempt({name!r}, lambda: socket.socket(socket.AF_UNIX).connect({address!r}))")
+  lines.append("attempt('socketpair', lambda: socket.socketpair())")  # between its own processes: allowed
+  try:
+    outcomes = _outcomes(_run("\n".join(lines), mode))
+  finally:
+    for server in servers:
+      server.close()
+    shutil.rmtree(listen_dir, ignore_errors=True)
+  assert outcomes.pop("socketpair") == "done"
+  assert outcomes == {"forkserver": "EPERM", "pathname": "EPERM", "abstract": "EPERM"}, outcomes
+
+
+def test_host_files_and_directories_are_invisible(tmp_path: os.PathLike[str]) -> None:
+  """Training data (with its solutions), run directories, /tmp, home: not there at all."""
+  from mimo_jax.tasks import humaneval
+
+  secret_dir = tempfile.mkdtemp()  # a run directory, say
+  os.chmod(secret_dir, 0o755)
+  secret = os.path.join(secret_dir, "answers.jsonl")
+  with open(secret, "w") as f:
+    f.write("canonical solution\n")
+  os.chmod(secret, 0o644)
+  targets = [
+    secret,
+    secret_dir,
+    humaneval.DEFAULT_TRAIN_PATH,
+    os.getcwd(),
+    "/tmp",
+    "/run",
+    "/root",
+    "/home",
+    os.path.expanduser("~"),
+    sys.prefix,
+    "/etc/passwd",
+    "/dev/shm",
+    os.path.dirname(sandbox.__file__),
+  ]
+  code = _TRY + "".join(f"attempt({t!r}, lambda: os.stat({t!r}))\n" for t in targets)
+  try:
+    outcomes = _outcomes(run_python(code, mode="namespace"))
+  finally:
+    shutil.rmtree(secret_dir, ignore_errors=True)
+  for target in targets:
+    assert outcomes[target] == "ENOENT", (target, outcomes[target])
+  # What the code does see: the system's read-only tree, with every site-packages tree masked empty.
+  masked = [path for kind, path, _ in sandbox._root_layout(sandbox.isolation().python) if kind == "mask"]
+  assert masked and any(os.listdir(path) for path in masked)  # not all empty on the host
+  listing = run_python(
+    f"import os\nprint(sorted(os.listdir('/')))\nprint([os.listdir(p) for p in {masked!r}])", mode="namespace"
+  )
+  top = ast.literal_eval(listing.stdout.splitlines()[0])
+  assert ast.literal_eval(listing.stdout.splitlines()[1]) == [[] for _ in masked]
+  assert set(top) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "main.py", "proc", "sbin", "usr", "work"}
+
+
+def test_shared_memory_cannot_escape_the_memory_limit(mode: str | None) -> None:
+  code = _TRY + (
+    "import ctypes\n"
+    "attempt('memfd', lambda: os.memfd_create('hoard'))\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "def sysv():\n"
+    "  if libc.shmget(0, 64 << 20, 0o1600) < 0:\n"
+    "    raise OSError(ctypes.get_errno(), 'shmget')\n"
+    "attempt('shmget', sysv)\n"
+    "def mqueue():\n"
+    "  if libc.syscall(240 if os.uname().machine == 'x86_64' else 180, b'/hoard', 0o100 | 2, 0o600, None) < 0:\n"
+    "    raise OSError(ctypes.get_errno(), 'mq_open')\n"
+    "attempt('mq_open', mqueue)\n"
+  )
+  outcomes = _outcomes(_run(code, mode))
+  assert outcomes == {"memfd": "EPERM", "shmget": "EPERM", "mq_open": "EPERM"}, outcomes
+
+
+def test_dev_shm_is_absent_and_the_working_tmpfs_is_bounded() -> None:
+  code = _TRY + (
+    "attempt('dev_shm', lambda: open('/dev/shm/hoard', 'wb'))\n"
+    "def fill():\n"
+    "  with open('big', 'wb') as f:\n"
+    "    for _ in range(100):\n"
+    "      f.write(b'x' * (1 << 20))\n"
+    "attempt('fill', fill)\n"
+  )
+  outcomes = _outcomes(run_python(code, mode="namespace", file_size_mb=200))
+  assert outcomes == {"dev_shm": "ENOENT", "fill": "ENOSPC"}, outcomes  # 64 MiB tmpfs, whatever RLIMIT_FSIZE says
+
+
+def test_the_sandbox_is_the_oom_killers_first_choice(mode: str | None) -> None:
+  result = _run("print(open('/proc/self/oom_score_adj').read().strip())", mode)
+  assert result.ok and result.stdout.strip() == "1000", result
+  with open("/proc/self/oom_score_adj") as f:
+    assert int(f.read()) < 1000  # the trainer's own score is untouched
+
+
+def test_no_nested_namespaces_mounts_or_io_uring(mode: str | None) -> None:
+  code = _TRY + (
+    "import ctypes, signal\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "x86 = os.uname().machine == 'x86_64'\n"
+    "def sys(name, nr_x86, nr_arm, *args):\n"
+    "  libc.syscall.restype = ctypes.c_long\n"
+    "  if libc.syscall(nr_x86 if x86 else nr_arm, *args) < 0:\n"
+    "    raise OSError(ctypes.get_errno(), name)\n"
+    "attempt('unshare_user', lambda: sys('unshare', 272, 97, 0x10000000))\n"
+    "attempt('clone_newuser', lambda: sys('clone', 56, 220, 0x10000000 | signal.SIGCHLD, 0, 0, 0, 0))\n"
+    "attempt('clone3', lambda: sys('clone3', 435, 435, None, 0))\n"
+    "attempt('io_uring', lambda: sys('io_uring_setup', 425, 425, 8, None))\n"
+    "attempt('mount', lambda: sys('mount', 165, 40, b'none', b'/work', b'tmpfs', 0, None))\n"
+    "attempt('ptrace', lambda: sys('ptrace', 101, 117, 16, 1, 0, 0))\n"
+    "attempt('pidfd_send_signal', lambda: sys('pidfd_send_signal', 424, 424, 0, 9, None, 0))\n"
+    "pid = os.fork()\n"  # plain fork and threads still work
+    "if pid == 0:\n"
+    "  os._exit(7)\n"
+    "print('fork', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+  )
+  outcomes = _outcomes(_run(code, mode))
+  expected = {
+    name: "EPERM" for name in ("unshare_user", "clone_newuser", "io_uring", "mount", "ptrace", "pidfd_send_signal")
+  }
+  assert outcomes == {**expected, "clone3": "ENOSYS", "fork": "7"}, outcomes
+
+
+def _run_bpf(program: list[tuple[int, int, int, int]], nr: int, arch: int, arg0: int = 0) -> int:
+  """A classic-BPF interpreter for the four instructions the filter uses: the test's oracle."""
+  data = {0: nr, 4: arch, 16: arg0 & 0xFFFFFFFF}
+  acc, pc = 0, 0
+  while True:
+    code, jt, jf, k = program[pc]
+    pc += 1
+    if code == 0x20:
+      acc = data[k]
+    elif code in (0x15, 0x35, 0x45):
+      taken = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]
+      pc += jt if taken else jf
+    elif code == 0x06:
+      return k
+    else:
+      raise AssertionError(f"unexpected opcode {code:#x}")
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_syscall_filter_decisions(machine: str) -> None:
+  program = sandbox.seccomp_program(machine)
+  table = sandbox._SYSCALLS[machine]
+  arch = table["arch"]
+  allow, eperm, enosys, kill = 0x7FFF0000, 0x00050001, 0x00050026, 0x80000000
+  for name, nr in table["deny"].items():
+    assert _run_bpf(program, nr, arch) == eperm, name
+  read, write = (0, 1) if machine == "x86_64" else (63, 64)
+  assert _run_bpf(program, read, arch) == allow and _run_bpf(program, write, arch) == allow
+  assert _run_bpf(program, table["clone"], arch, 0x01200011) == allow  # what fork() passes
+  assert _run_bpf(program, table["clone"], arch, 0x003D0F00) == allow  # what pthread_create passes
+  for flag in (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000):
+    assert _run_bpf(program, table["clone"], arch, 0x01200011 | flag) == eperm, hex(flag)
+  assert _run_bpf(program, table["clone3"], arch) == enosys
+  assert _run_bpf(program, read, 0x40000003) == kill  # i386 calls on x86_64: another syscall table
+  if table["x32_bit"]:
+    assert _run_bpf(program, table["x32_bit"] | read, arch) == eperm
+  assert sandbox.seccomp_program("riscv64") is None

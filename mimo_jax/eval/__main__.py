@@ -2,13 +2,16 @@
 
     python -m mimo_jax.eval --checkpoint=runs/<run>[/checkpoints/<step>] [--eval_samples=64] [--ks=1,8,64]
         [--eval_prompts=N] [--eval_temperature=1.0] [--max_batch_rows=R] [--eval_seed=0] [--output=path.json]
+        [--allow_weak_sandbox]
 
 A run directory evaluates its latest intact checkpoint; ``<run_dir>/checkpoints/<step>``
 evaluates that one (SFT or RL phase).  The run is rebuilt from ``<run_dir>/config.json``.
 Prints one JSON line: the checkpoint step and phase, the settings, ``greedy_accuracy``,
 ``pass@k`` and (for tasks with a final answer) ``maj@k`` for each k, and ``num_problems``.
 Exits with status 2 and an ``error:`` line for a bad flag or a missing or corrupted
-checkpoint.
+checkpoint.  A task that runs model-written code (humaneval) is refused where the sandbox
+has no kernel isolation unless ``--allow_weak_sandbox`` is given here (the training run's
+own setting does not carry over: it is a decision about this machine).
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ def define_flags(fv: flags.FlagValues) -> None:
   )
   flags.DEFINE_integer("eval_seed", 0, "Seed of the sampling key.", flag_values=fv)
   flags.DEFINE_string("output", "", "Also write the results to this JSON file.", flag_values=fv)
+  flags.DEFINE_bool(
+    "allow_weak_sandbox",
+    False,
+    "Tasks that run model-written code (humaneval): go on where the sandbox has no kernel isolation, with "
+    "Python-level guards only. Guard mode is NOT containment: determined code escapes it.",
+    flag_values=fv,
+  )
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -92,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       temperature=fv.eval_temperature,
       max_batch_rows=fv.max_batch_rows,
       seed=fv.eval_seed,
+      allow_weak_sandbox=fv.allow_weak_sandbox,
     )
   except FileNotFoundError as e:
     print(f"error: --checkpoint: {e}", file=sys.stderr)

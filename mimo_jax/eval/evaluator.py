@@ -29,14 +29,14 @@ from flax import nnx
 
 from mimo_jax import sharding
 from mimo_jax.ckpt.manager import CheckpointCorrupted, Checkpointer
-from mimo_jax.config import CONCERN_CLASSES, Config
+from mimo_jax.config import CONCERN_CLASSES, RUN_RECORD_KEYS, Config
 from mimo_jax.config_base import ConfigError
 from mimo_jax.eval.metrics import majority_at_k, pass_at_k
 from mimo_jax.models import ModelConfig, Transformer, abstract_state
 from mimo_jax.rewards.math import extract_answer, normalize_number
 from mimo_jax.rollout import Sampler, SamplingParams
 from mimo_jax.rollout.encoding import decode_completions, encode_prompts, sampling_params
-from mimo_jax.tasks.registry import build_task
+from mimo_jax.tasks.registry import build_task, check_sandbox
 from mimo_jax.tokenization import Tokenizer
 
 __all__ = [
@@ -290,9 +290,11 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
 
   Every concern and every field must be present and known, so a configuration written by a
   different version of the trainer is refused rather than silently completed with defaults.
+  The run records a ``config.json`` also holds (``RUN_RECORD_KEYS``: the sandbox isolation of
+  the machine) are not settings and are skipped.
 
   Args:
-    d: ``{concern: {field: value}}``.
+    d: ``{concern: {field: value}}``, plus optional run records.
 
   Returns:
     The validated config (each concern's own checks run).
@@ -303,7 +305,7 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
   """
   if not isinstance(d, Mapping):
     raise ConfigError(f"a config must be a JSON object of concerns, got {type(d).__name__}")
-  unknown = sorted(set(d) - set(CONCERN_CLASSES))
+  unknown = sorted(set(d) - set(CONCERN_CLASSES) - set(RUN_RECORD_KEYS))
   missing = sorted(set(CONCERN_CLASSES) - set(d))
   wrong_type: list[str] = []
   parts: dict[str, Any] = {}
@@ -455,6 +457,7 @@ def evaluate_checkpoint(
   temperature: float | None = None,
   max_batch_rows: int | None = None,
   seed: int = 0,
+  allow_weak_sandbox: bool = False,
   rollout_factory: Callable[..., Any] | None = None,
 ) -> dict[str, Any]:
   """Evaluates one checkpoint of a run on the run's held-out prompts.
@@ -475,19 +478,25 @@ def evaluate_checkpoint(
     max_batch_rows: the most completion rows per generation call (None: the larger of one
       evaluation chunk and one training rollout batch).
     seed: seed of the sampling key.
+    allow_weak_sandbox: for tasks that run model-written code, go on where the sandbox has
+      no kernel isolation (Python-level guards only).  This replaces the run's own setting:
+      accepting weak isolation is a decision about the machine evaluating, made each time.
     rollout_factory: ``(model, mesh) -> rollout`` replaces the sampler (tests).
 
   Returns:
     ``run_dir``, ``checkpoint_step`` (the global checkpoint step), ``phase``, ``step`` (the
-    step within the phase), the evaluation settings, and the metrics of :func:`evaluate_policy`.
+    step within the phase), the evaluation settings, the metrics of :func:`evaluate_policy`,
+    and for tasks that run code ``sandbox``, the isolation they ran under.
 
   Raises:
     FileNotFoundError: no such run directory or checkpoint.
     CheckpointCorrupted: the checkpoint cannot be read back intact.
-    ConfigError: the run's config is unusable, or a setting is out of range.
+    ConfigError: the run's config is unusable, a setting is out of range, or the task runs
+      code and the sandbox has no kernel isolation (without ``allow_weak_sandbox``).
   """
   run_dir, step = resolve_checkpoint(path)
   cfg = load_run_config(run_dir)
+  cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, allow_weak_sandbox=bool(allow_weak_sandbox)))
   if eval_prompts is not None:
     if eval_prompts < 1:
       raise ConfigError(f"--eval_prompts={eval_prompts}: must be >= 1")
@@ -504,6 +513,9 @@ def evaluate_checkpoint(
     raise ConfigError(f"--eval_temperature={temperature}: must be > 0 (the greedy completion is always evaluated)")
   if max_batch_rows is not None and max_batch_rows < 1:
     raise ConfigError(f"--max_batch_rows={max_batch_rows}: must be >= 1")
+  # A code task without kernel isolation is refused first, outside the rebuild below: the refusal is
+  # about this machine, not about the run's config.
+  sandbox = check_sandbox(cfg.data)
   # Only what evaluation needs: the task and its held-out split, the policy's parameters (restored
   # alone, onto the run's mesh) and a sampler.
   try:
@@ -553,4 +565,5 @@ def evaluate_checkpoint(
     "eval_temperature": float(temperature),
     "ks": list(ks),
     **metrics,
+    **({"sandbox": sandbox} if sandbox is not None else {}),
   }

@@ -26,15 +26,29 @@ the default on most Linux distributions; verified on this project's machines):
     however it detached itself (``setsid``, double forks), and C1 reaps them.  The code
     cannot see or signal any process outside the sandbox.
   * Network: the namespace has only a loopback device, down, so no connection to
-    anything, the host's 127.0.0.1 included, is possible.  A kernel guarantee.
-  * Filesystem: every mount is remounted read-only inside the sandbox's private mount
-    namespace (the host's mounts are untouched); the only writable place is the working
-    directory, a fresh tmpfs of at most 64 MiB and 4096 inodes.  A new ``/proc`` of the
-    PID namespace hides the trainer's processes and their environments (where a kernel
-    refuses to mount one, an empty tmpfs hides ``/proc``).  A kernel guarantee for
-    writes; files stay *readable* as far as ordinary permissions allow.
+    anything, the host's 127.0.0.1 included, is possible; abstract unix sockets belong to
+    the network namespace, so the host's are out of reach too.  A kernel guarantee.
+  * Filesystem: a root of its own (``pivot_root``; the host's tree is detached): a
+    read-only tmpfs holding read-only binds of the system directories (``/usr`` and, as the
+    host has them, ``/bin``, ``/sbin``, ``/lib*``), the interpreter's prefix, the dynamic
+    loader's cache and ``/dev/{null,zero,full,random,urandom}``; every site-packages tree
+    and this package's directory masked by an empty tmpfs; the code at ``/main.py``; its
+    working directory ``/work``, a fresh tmpfs of at most 64 MiB and 4096 inodes (the only
+    writable place); a new ``/proc`` of the PID namespace, read-only.  No host ``/tmp``,
+    ``/run``, ``/dev/shm``, ``/etc``, home, data or run directory exists in there, so no
+    pathname unix socket of the host (the reward pool's forkserver among them) can be
+    reached and no file outside the system directories can be read.  A kernel guarantee.
   * Privileges: the code runs as namespace root with an empty capability bounding set,
-    no capabilities and ``no_new_privs``, so it cannot undo the read-only mounts.
+    no capabilities and ``no_new_privs``, so it cannot undo the mounts.
+
+In both modes, a seccomp filter (:func:`seccomp_program`; x86_64 and aarch64) refuses
+with EPERM: ``socket``/``connect`` (``socketpair`` stays), ``memfd_create``, SysV shared
+memory and POSIX message queues, ``io_uring``, ``userfaultfd``, ``bpf``,
+``perf_event_open``, ``ptrace``, cross-process memory access, the keyring,
+``pidfd_send_signal``, every namespace, mount and root change (``clone`` with a namespace
+flag included; ``clone3`` reads as absent) and ``kexec``.  The launcher sets
+``oom_score_adj`` to 1000, so under memory pressure the kernel kills sandboxed code
+before the trainer.
 
 ``"guard"`` (the fallback where user namespaces are unavailable):
   * The resource limits, scrubbed environment, uid switch and clean-up below still
@@ -78,14 +92,24 @@ In both modes:
   * The code's process is non-dumpable, so processes it starts cannot read its memory or
     open its file descriptors through ``/proc`` (:mod:`mimo_jax.rewards.code` relies on it).
 
-Not covered: CPU and memory are not isolated from other workloads (no cgroups), the
-total memory of several processes is bounded only as above, world-readable files can be
-read, and timing side channels exist.
+Memory without cgroups (this project's machines have cgroup v1 only, and an unprivileged
+trainer could not use them anyway): in namespace mode everything the code can hold is
+bounded by ``max_processes`` x ``RLIMIT_AS`` plus the 64 MiB working tmpfs: the filter
+denies the shared-memory calls whose pages no address-space limit counts, and there is no
+``/dev/shm`` or other writable tmpfs.  Pipe and socketpair buffers are bounded by the
+kernel's per-user pipe limits and socket buffer sizes.
+
+Not covered: CPU time of other workloads is not isolated (``RLIMIT_CPU`` bounds each
+process), the system directories (``/usr``) stay readable, timing side channels exist, and
+guard mode is not containment (the trainer refuses it unless told otherwise, see
+``--allow_weak_sandbox``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import glob
 import json
 import math
 import os
@@ -96,6 +120,7 @@ import signal
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -127,6 +152,9 @@ _EXIT_GRACE_S = 0.2
 _CONTROL_LIMIT = 1 << 16
 # Prefix of the working directory; the code itself lives in <dir>/main.py, its cwd is <dir>/work.
 _DIR_PREFIX = "mimo-sandbox-"
+# The same two inside the sandbox's own root (namespace mode).
+_INNER_MAIN = "/main.py"
+_INNER_SCRATCH = "/work"
 
 
 class SandboxError(RuntimeError):
@@ -176,16 +204,20 @@ class SandboxIsolation:
     mode: ``"namespace"`` or ``"guard"``.
     network: ``"namespace"`` (empty network namespace, verified: no interface but
       loopback and no connection to 127.0.0.1) or ``"python-guard"``.
-    filesystem: ``"read-only-mounts"`` (verified: writes to ``/``, ``/tmp``, ``/dev/shm``
-      and the sandbox directory fail) or ``"python-guard"``.
+    filesystem: ``"minimal-root"`` (verified: ``/`` is read-only and the host's ``/tmp``,
+      ``/run``, ``/dev/shm``, home, the trainer's directories and this package are not
+      there) or ``"python-guard"``.
     processes: ``"pid-namespace"`` or ``"process-group"``.
     proc: ``"private"`` (a new ``/proc`` of the PID namespace), ``"hidden"`` (an empty
       tmpfs over ``/proc``) or ``"host"``.
     uid: the host uid the code runs as.
     python: the interpreter that runs the code.
     reason: why namespace mode is not used (empty in namespace mode).
-    notes: anything else worth knowing (mounts that could not be made read-only, a
-      substitute interpreter, root's uid kept).
+    notes: anything else worth knowing (paths not bound, a substitute interpreter,
+      root's uid kept).
+    syscalls: ``"seccomp"`` (the filter of :func:`seccomp_program` is loaded) or why not.
+    memory: how the code's memory is bounded in this mode.
+    oom_score_adj: the sandboxed processes' OOM score adjustment.
   """
 
   mode: str
@@ -197,6 +229,17 @@ class SandboxIsolation:
   python: str
   reason: str = ""
   notes: str = ""
+  syscalls: str = "none"
+  memory: str = ""
+  oom_score_adj: int = 1000
+
+
+# How memory is bounded in each mode (no cgroup: see the module docstring).
+_MEMORY_NAMESPACE = (
+  "RLIMIT_AS per process x max_processes, plus the 64 MiB working tmpfs; no shared memory outside them "
+  "(memfd_create, SysV and POSIX shared memory and message queues denied by the syscall filter, no /dev/shm)"
+)
+_MEMORY_GUARD = "RLIMIT_AS per process x max_processes; the host's /dev/shm and /tmp stay writable (not counted)"
 
 
 # ---- code run inside the sandbox ---------------------------------------------------------
@@ -213,7 +256,10 @@ os.set_inheritable(ctl, False)
 libc = ctypes.CDLL(None, use_errno=True)
 libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+libc.syscall.argtypes = [ctypes.c_long, ctypes.c_char_p, ctypes.c_char_p]
+libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 36, 38
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER, MNT_DETACH = 22, 2, 2
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = (
   1024, 2048, 4096, 16384, 1 << 18, 1 << 21, 1 << 24)
@@ -242,8 +288,8 @@ def call(ret, what):
     raise OSError(e, "%s: %s" % (what, os.strerror(e)))
 
 
-def prctl(option, arg):
-  call(libc.prctl(option, arg, 0, 0, 0), "prctl(%d)" % option)
+def prctl(option, arg, arg2=0):
+  call(libc.prctl(option, arg, arg2, 0, 0), "prctl(%d)" % option)
 
 
 def mount(source, target, fstype, flags, data):
@@ -258,8 +304,9 @@ def quiet_stdio():
   os.close(null)
 
 
-def setup_mounts():
-  mounts = []
+def mount_flags():
+  # Locked flags (which a remount inside a user namespace must keep) of every mount, by target.
+  flags_of = {}
   with open("/proc/self/mountinfo") as f:
     for line in f:
       fields = line.split()
@@ -267,33 +314,100 @@ def setup_mounts():
       flags = 0
       for opt in fields[5].split(","):
         flags |= LOCKED.get(opt, 0)
-      mounts.append((target, flags))
+      flags_of[target] = flags
+  return flags_of
+
+
+def flags_for(path, flags_of):
+  # The locked flags of the mount that holds ``path`` (the longest mount target above it).
+  best = "/"
+  for target in flags_of:
+    if (path == target or path.startswith(target.rstrip("/") + "/")) and len(target) > len(best):
+      best = target
+  return flags_of.get(best, 0)
+
+
+def bind_read_only(source, target, flags_of):
+  mount(source, target, None, MS_BIND, None)  # not recursive: mounts below ``source`` stay out
+  mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags_for(source, flags_of), None)
+
+
+def setup_mounts():
+  # Builds the sandbox's root: a read-only tmpfs holding only what the interpreter needs.
+  #
+  # Host paths bound read-only: the system directories of ``cfg["layout"]`` (``/usr`` and
+  # the interpreter's prefix; ``/lib``, ``/bin`` ... as the host has them), the dynamic
+  # loader's cache and a few device nodes.  Masked by empty tmpfs: site-packages trees
+  # (third-party code and any data shipped inside packages).  Then the code's own file,
+  # its tmpfs working directory ``/work`` and a new ``/proc``; after ``pivot_root`` the host's
+  # tree is detached, so ``/tmp``, ``/run``, home directories, data, run directories and
+  # every pathname socket on the host are out of reach.
+  flags_of = mount_flags()
   mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing below propagates to the host
-  # Read-only first, the host's /proc included (shadowed by the new one below, but still there).
-  failed = []
-  done = set()
-  for target, flags in mounts:
-    if target in done:
-      continue
-    done.add(target)
-    try:
-      mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags, None)
-    except OSError as e:
-      if target == "/":
-        raise
-      failed.append("%s:%s" % (target.replace(" ", "\\040"), errno_name(e.errno)))
+  new = cfg["newroot"]
+  mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=1024,mode=0755")
+  for kind, path, arg in cfg["layout"]:
+    target = new + path
+    parent = os.path.dirname(target)
+    if not os.path.isdir(parent):
+      os.makedirs(parent, 0o755)
+    if kind == "link":
+      os.symlink(arg, target)
+    elif kind == "dir":
+      os.makedirs(target, 0o755, exist_ok=True)
+      bind_read_only(path, target, flags_of)
+    elif kind == "file":
+      os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o444))
+      try:
+        bind_read_only(path, target, flags_of)
+      except OSError as e:
+        os.unlink(target)
+        say("bind-skipped %s:%s" % (path, errno_name(e.errno)))
+    elif kind == "mask" and os.path.isdir(target):
+      mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,nr_inodes=8,mode=0555")
+  code = new + cfg["inner_main"]
+  os.close(os.open(code, os.O_WRONLY | os.O_CREAT, 0o444))
+  bind_read_only(cfg["main"], code, flags_of)
+  scratch = new + cfg["inner_scratch"]
+  os.mkdir(scratch, 0o700)
+  mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV,
+        "size=%dm,nr_inodes=%d,mode=0700" % (cfg["scratch_mb"], cfg["scratch_inodes"]))
+  os.mkdir(new + "/proc", 0o555)
   try:
-    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, None)
+    mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, None)
     proc = "private"
   except OSError:
-    try:
-      mount("tmpfs", "/proc", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0555")
-      proc = "hidden"
-    except OSError:
-      proc = "host"
-  mount("tmpfs", cfg["scratch"], "tmpfs", MS_NOSUID | MS_NODEV,
-        "size=%dm,nr_inodes=%d,mode=0700" % (cfg["scratch_mb"], cfg["scratch_inodes"]))
-  say("mounts proc=%s read-only=%d failed=%s" % (proc, len(done) - len(failed), ",".join(failed) or "-"))
+    mount("tmpfs", new + "/proc", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0555")
+    proc = "hidden"
+  os.chdir(new)
+  if cfg["sys_pivot_root"] is not None:
+    # pivot_root(".", "."): the old root is stacked under the new one; detach it.
+    call(libc.syscall(cfg["sys_pivot_root"], b".", b"."), "pivot_root")
+    call(libc.umount2(b".", MNT_DETACH), "detach the host's root")
+    root = "pivot_root"
+  else:
+    os.chroot(".")  # no capability survives into the code, so the chroot cannot be undone
+    root = "chroot"
+  os.chdir("/")
+  mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+  say("mounts proc=%s root=%s" % (proc, root))
+
+
+def install_seccomp():
+  # Loads the syscall filter of ``cfg["seccomp"]`` (assembled by the trainer; inherited by every child).
+  prog = cfg["seccomp"]
+  if not prog:
+    return
+
+  class Filter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+  class Program(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+  filters = (Filter * len(prog))(*[Filter(*ins) for ins in prog])
+  program = Program(len(prog), filters)
+  prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(program))
 
 
 def errno_name(n):
@@ -315,7 +429,8 @@ def run_c2():
     else:
       os.setpgid(0, 0)  # its own group, which the trainer kills on timeout while C1 reaps the orphans
     prctl(PR_SET_NO_NEW_PRIVS, 1)
-    os.chdir(cfg["scratch"])
+    os.chdir(cfg["inner_scratch"] if namespace else cfg["scratch"])
+    install_seccomp()  # last: after it, the launcher's own set-up calls would be refused too
     os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
   except BaseException as e:
     fail("exec", e)
@@ -409,6 +524,9 @@ def run_c1(p0):
 
 
 try:
+  # The OOM killer's first choice, before the trainer (raising one's own score needs no privilege).
+  with open("/proc/self/oom_score_adj", "w") as f:
+    f.write("1000")
   if cfg["uid"] is not None:
     os.setgroups([])
     os.setresgid(cfg["gid"], cfg["gid"], cfg["gid"])
@@ -582,7 +700,8 @@ def _sandbox_guard(root, scratch):
   class GuardedCSocket(base_c_socket):
     def __init__(self, family=-1, *args, **kwargs):
       check_family(family)
-      super().__init__(family, *args, **kwargs)
+      # Not super(): socket.socket (a subclass of the original C class) calls this on its own instances.
+      base_c_socket.__init__(self, family, *args, **kwargs)
 
   socket.socket = socket.SocketType = GuardedSocket
   _socket.socket = _socket.SocketType = GuardedCSocket
@@ -597,21 +716,43 @@ exec(_sandbox_code, {"__name__": "__main__", "__file__": _sandbox_path, "__built
 
 # Probe run in namespace mode; prints one JSON object describing what it could and could not do.
 _PROBE = r"""
-import errno, json, os, socket
+import errno, json, os, socket, sys
+host_paths = json.loads(sys.stdin.read())
+def name(e):
+  return errno.errorcode.get(e.errno, str(e.errno)) if getattr(e, "errno", None) else type(e).__name__
 r = {"pid": os.getpid()}
+status = {}
 try:
   with open("/proc/self/status") as f:
-    r["cap_eff"] = [l.split()[1] for l in f if l.startswith("CapEff:")][0]
-except OSError as e:
-  r["cap_eff"] = "unreadable"
-r["interfaces"] = [name for _, name in socket.if_nameindex()]
-s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-s.settimeout(1.0)
+    status = dict(line.split(":", 1) for line in f if ":" in line)
+except OSError:
+  pass
+r["cap_eff"] = status.get("CapEff", "unreadable").strip()
+r["seccomp"] = status.get("Seccomp", "?").strip()
 try:
-  s.connect(("127.0.0.1", 9))
-  r["connect"] = "connected"
+  with open("/proc/self/oom_score_adj") as f:
+    r["oom_score_adj"] = int(f.read())
+except (OSError, ValueError):
+  r["oom_score_adj"] = None
+try:
+  with open("/proc/self/net/dev") as f:
+    r["interfaces"] = [line.split(":")[0].strip() for line in f.readlines()[2:]]
+except OSError:
+  r["interfaces"] = ["?"]
+r["connect"] = {}
+for family, address in ((socket.AF_INET, ("127.0.0.1", 9)), (socket.AF_UNIX, "/tmp/.X11-unix/X0")):
+  try:
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    s.connect(address)
+    r["connect"][str(int(family))] = "connected"
+  except OSError as e:
+    r["connect"][str(int(family))] = name(e)
+try:
+  os.close(os.memfd_create("probe"))
+  r["memfd"] = "created"
 except OSError as e:
-  r["connect"] = errno.errorcode.get(e.errno, str(e.errno)) if e.errno else type(e).__name__
+  r["memfd"] = name(e)
 r["writes"] = {}
 for d in ("/", "/tmp", "/dev/shm", os.path.dirname(os.getcwd())):
   try:
@@ -620,7 +761,8 @@ for d in ("/", "/tmp", "/dev/shm", os.path.dirname(os.getcwd())):
     r["writes"][d] = "written"
     os.unlink(os.path.join(d, ".mimo-sandbox-probe-%d" % os.getpid()))
   except OSError as e:
-    r["writes"][d] = errno.errorcode.get(e.errno, str(e.errno))
+    r["writes"][d] = name(e)
+r["host_paths_seen"] = [p for p in host_paths if os.path.lexists(p)]
 with open("probe", "w") as f:
   f.write("ok")
 r["scratch_writable"] = True
@@ -741,6 +883,172 @@ def _sandbox_identity() -> _Identity:
       "(RLIMIT_NPROC does not apply to root)",
     )
     return _identity
+
+
+# ---- the sandbox's root and syscall filter ----------------------------------------------------
+
+# Per architecture: audit arch, the x32 syscall bit (x86_64), and syscall numbers (from the
+# kernel's asm/unistd_64.h and asm-generic/unistd.h).
+# fmt: off
+_SYSCALLS = {
+  "x86_64": {
+    "arch": 0xC000003E,
+    "x32_bit": 0x40000000,
+    "clone": 56,
+    "clone3": 435,
+    "pivot_root": 155,
+    "deny": {
+      "socket": 41, "connect": 42, "shmget": 29, "shmat": 30, "mq_open": 240, "memfd_create": 319,
+      "memfd_secret": 447, "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426,
+      "io_uring_register": 427, "bpf": 321, "perf_event_open": 298, "ptrace": 101, "process_vm_readv": 310,
+      "process_vm_writev": 311, "add_key": 248, "request_key": 249, "keyctl": 250, "pidfd_send_signal": 424,
+      "unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161,
+      "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsmount": 432, "mount_setattr": 442,
+      "kexec_load": 246, "kexec_file_load": 320,
+    },
+  },
+  "aarch64": {
+    "arch": 0xC00000B7,
+    "x32_bit": 0,
+    "clone": 220,
+    "clone3": 435,
+    "pivot_root": 41,
+    "deny": {
+      "socket": 198, "connect": 203, "shmget": 194, "shmat": 196, "mq_open": 180, "memfd_create": 279,
+      "memfd_secret": 447, "userfaultfd": 282, "io_uring_setup": 425, "io_uring_enter": 426,
+      "io_uring_register": 427, "bpf": 280, "perf_event_open": 241, "ptrace": 117, "process_vm_readv": 270,
+      "process_vm_writev": 271, "add_key": 217, "request_key": 218, "keyctl": 219, "pidfd_send_signal": 424,
+      "unshare": 97, "setns": 268, "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51,
+      "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsmount": 432, "mount_setattr": 442,
+      "kexec_load": 104, "kexec_file_load": 294,
+    },
+  },
+}
+# fmt: on
+# clone() flags that create namespaces (a nested user namespace would give the code capabilities
+# over fresh mounts, e.g. a tmpfs outside every memory limit).
+_CLONE_NAMESPACE_FLAGS = 0x7E020000
+# Classic BPF opcodes and seccomp return values (linux/filter.h, linux/seccomp.h).
+_BPF_LD_ABS, _BPF_JEQ, _BPF_JGE, _BPF_JSET, _BPF_RET = 0x20, 0x15, 0x35, 0x45, 0x06
+_RET_ALLOW, _RET_ERRNO, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
+_EPERM, _ENOSYS = 1, 38
+
+
+def _machine() -> str:
+  return os.uname().machine
+
+
+def seccomp_program(machine: str | None = None) -> list[tuple[int, int, int, int]] | None:
+  """The sandbox's syscall filter as classic BPF ``(code, jt, jf, k)`` instructions, or None.
+
+  Denied with EPERM: creating sockets and connecting (``socketpair`` stays: pipes between
+  the code's own processes), shared memory outside the address-space limit (``memfd_create``,
+  SysV and POSIX message-queue/shared memory), ``io_uring`` (whose operations bypass this
+  filter), ``userfaultfd``, ``bpf``, ``perf_event_open``, ``ptrace`` and cross-process memory
+  access, the kernel keyring, ``pidfd_send_signal``, every namespace, mount and root change,
+  and ``kexec``.  ``clone`` with a namespace flag is denied too, and ``clone3`` reads as
+  absent (ENOSYS: the C library falls back to ``clone``, whose flags the filter can see).
+  Another architecture's calling convention (i386 on x86_64, x32) kills the process.
+
+  Args:
+    machine: ``os.uname().machine``; this machine's by default.
+
+  Returns:
+    The program, or None on an architecture without a table here (the isolation report says so).
+  """
+  table = _SYSCALLS.get(machine or _machine())
+  if table is None:
+    return None
+  # Assemble with symbolic forward jumps, then resolve them to offsets.
+  code: list[tuple[int, object, object, int]] = [
+    (_BPF_LD_ABS, 0, 0, 4),  # seccomp_data.arch
+    (_BPF_JEQ, 0, "kill", table["arch"]),
+    (_BPF_LD_ABS, 0, 0, 0),  # seccomp_data.nr
+  ]
+  if table["x32_bit"]:
+    code.append((_BPF_JGE, "eperm", 0, table["x32_bit"]))
+  code.append((_BPF_JEQ, "clone", 0, table["clone"]))
+  code.append((_BPF_JEQ, "enosys", 0, table["clone3"]))
+  for nr in sorted(set(table["deny"].values())):
+    code.append((_BPF_JEQ, "eperm", 0, nr))
+  code.append((_BPF_RET, 0, 0, _RET_ALLOW))
+  labels = {"clone": len(code)}
+  code += [
+    (_BPF_LD_ABS, 0, 0, 16),  # low 32 bits of seccomp_data.args[0] (little-endian): the clone flags
+    (_BPF_JSET, "eperm", 0, _CLONE_NAMESPACE_FLAGS),
+    (_BPF_RET, 0, 0, _RET_ALLOW),
+  ]
+  labels["eperm"] = len(code)
+  code.append((_BPF_RET, 0, 0, _RET_ERRNO | _EPERM))
+  labels["enosys"] = len(code)
+  code.append((_BPF_RET, 0, 0, _RET_ERRNO | _ENOSYS))
+  labels["kill"] = len(code)
+  code.append((_BPF_RET, 0, 0, _RET_KILL_PROCESS))
+  program = []
+  for i, (op, jt, jf, k) in enumerate(code):
+    jt = labels[jt] - i - 1 if isinstance(jt, str) else jt
+    jf = labels[jf] - i - 1 if isinstance(jf, str) else jf
+    assert 0 <= jt < 256 and 0 <= jf < 256
+    program.append((op, jt, jf, k))
+  return program
+
+
+def _under(path: str, directory: str) -> bool:
+  return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+@functools.lru_cache(maxsize=4)
+def _root_layout(python: str) -> list[tuple[str, str, str]]:
+  """What the sandbox's root holds besides the code: ``(kind, host path, symlink target)`` rows.
+
+  ``dir``/``file``: bound read-only at the same path; ``link``: a symlink; ``mask``: an
+  empty read-only tmpfs over a directory the binds brought in.  The system directories
+  (``/usr`` and, as the host has them, ``/bin``, ``/sbin`` and ``/lib*``), the
+  interpreter's prefix, the dynamic loader's cache and the harmless device nodes; masked:
+  every site-packages/dist-packages tree and this package's own directory (third-party
+  code, and any data installed with a package, stay out of reach).
+  """
+  rows: list[tuple[str, str, str]] = []
+  dirs: list[str] = []
+  for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+    if os.path.islink(top):
+      rows.append(("link", top, os.readlink(top)))
+    elif os.path.isdir(top):
+      rows.append(("dir", top, ""))
+      dirs.append(top)
+  prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
+  if not any(_under(prefix, d) for d in dirs):
+    rows.append(("dir", prefix, ""))
+    dirs.append(prefix)
+  for path in ("/etc/ld.so.cache", "/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"):
+    if os.path.exists(path) and not os.path.islink(path):
+      rows.append(("file", path, ""))
+  for name, target in (
+    ("fd", "/proc/self/fd"),
+    ("stdin", "/proc/self/fd/0"),
+    ("stdout", "/proc/self/fd/1"),
+    ("stderr", "/proc/self/fd/2"),
+  ):
+    rows.append(("link", "/dev/" + name, target))
+  masks: set[str] = set()
+  for d in dirs:
+    for pattern in (
+      "lib/python3*/site-packages",
+      "lib/python3*/dist-packages",
+      "lib/python3/dist-packages",
+      "local/lib/python3*/site-packages",
+      "local/lib/python3*/dist-packages",
+    ):
+      masks.update(glob.glob(os.path.join(d, pattern)))
+  own = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # the mimo_jax package
+  for path in (own, *(sysconfig.get_paths().get(k, "") for k in ("purelib", "platlib"))):
+    if path and any(_under(os.path.realpath(path), d) for d in dirs):
+      masks.add(os.path.realpath(path))
+  rows += [("mask", m, "") for m in sorted(masks) if os.path.isdir(m)]
+  return rows
+
+
+_SECCOMP = seccomp_program()
 
 
 def _count_tasks(uid: int) -> int:
@@ -927,20 +1235,35 @@ def _execute(
     if mode != "namespace" or not _kernel_counts_nproc_per_namespace():
       base += _count_tasks(host_uid)
     cpu = math.ceil(timeout_s) + 1
+    namespace = mode == "namespace"
+    # In namespace mode the code sees its own root: the code at /main.py, its directory /work.
+    python = os.path.realpath(identity.python) if namespace else identity.python
+    work, code_path, code_root = (_INNER_SCRATCH, _INNER_MAIN, "/") if namespace else (scratch, main_path, root)
+    newroot = os.path.join(root, "root")
+    if namespace:
+      os.mkdir(newroot, 0o755)
     env = {
       "PATH": "/usr/local/bin:/usr/bin:/bin",
-      "HOME": scratch,
-      "TMPDIR": scratch,
+      "HOME": work,
+      "TMPDIR": work,
       "LANG": "C.UTF-8",
       "LC_ALL": "C.UTF-8",
     }
     ctl_r, ctl_w = os.pipe()
+    table = _SYSCALLS.get(_machine())
     cfg = {
       "mode": mode,
       "ctl_fd": ctl_w,
       "uid": uid,
       "gid": gid,
       "scratch": scratch,
+      "main": main_path,
+      "newroot": newroot,
+      "layout": _root_layout(identity.python) if namespace else [],
+      "inner_main": _INNER_MAIN,
+      "inner_scratch": _INNER_SCRATCH,
+      "sys_pivot_root": table["pivot_root"] if table else None,
+      "seccomp": _SECCOMP,
       "scratch_mb": _SCRATCH_MB,
       "scratch_inodes": _SCRATCH_INODES,
       "rlimits": {
@@ -951,7 +1274,7 @@ def _execute(
         "CORE": [0, 0],
         "NPROC": [base + max_processes, base + max_processes],
       },
-      "argv": [identity.python, "-I", "-S", "-B", "-c", _RUNNER, main_path, mode, root, scratch],
+      "argv": [python, "-I", "-S", "-B", "-c", _RUNNER, code_path, mode, code_root, work],
       "env": env,
     }
     proc = subprocess.Popen(
@@ -1043,24 +1366,49 @@ _probe_lock = threading.Lock()
 _probed: SandboxIsolation | None = None
 
 
+def _host_paths() -> list[str]:
+  """Host paths the probe must not see from inside: temporary, runtime, home and this process's directories."""
+  paths = ["/tmp", "/run", "/root", "/home", "/etc/passwd", "/dev/shm", "/var", "/opt", "/mnt", "/srv"]
+  paths += [tempfile.gettempdir(), os.getcwd(), os.path.expanduser("~"), sys.prefix]
+  paths.append(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))  # the mimo_jax package
+  seen: list[str] = []
+  for path in paths:
+    if path and os.path.isabs(path) and path != "/" and path not in seen and not path.startswith("/proc"):
+      seen.append(path)
+  return seen
+
+
 def _probe() -> SandboxIsolation:
+  syscalls = "seccomp" if _SECCOMP else f"none (no syscall table for {_machine()})"
   try:
     identity = _sandbox_identity()
   except SandboxError as e:
-    return SandboxIsolation("guard", "python-guard", "python-guard", "process-group", "host", os.getuid(), "", str(e))
+    return SandboxIsolation(
+      "guard", "python-guard", "python-guard", "process-group", "host", os.getuid(), "", str(e), syscalls=syscalls
+    )
   host_uid = identity.uid if identity.uid is not None else os.getuid()
   guard = SandboxIsolation(
-    "guard", "python-guard", "python-guard", "process-group", "host", host_uid, identity.python, notes=identity.note
+    "guard",
+    "python-guard",
+    "python-guard",
+    "process-group",
+    "host",
+    host_uid,
+    identity.python,
+    notes=identity.note,
+    syscalls=syscalls,
+    memory=_MEMORY_GUARD,
   )
   if not sys.platform.startswith("linux"):
     return dataclasses.replace(guard, reason=f"namespaces need Linux, this is {sys.platform}")
+  host_paths = [p for p in _host_paths() if os.path.lexists(p)]
   try:
     result, info = _execute(
       _PROBE,
       "namespace",
       timeout_s=20.0,
       memory_mb=256,
-      stdin="",
+      stdin=json.dumps(host_paths),
       max_output_bytes=1 << 16,
       max_processes=8,
       file_size_mb=1,
@@ -1078,34 +1426,47 @@ def _probe() -> SandboxIsolation:
   problems = []
   if r.get("cap_eff") != "0" * 16:
     problems.append(f"capabilities not dropped (CapEff {r.get('cap_eff')})")
-  if set(r.get("interfaces", ["?"])) - {"lo"} or r.get("connect") == "connected":
+  connected = [family for family, outcome in r.get("connect", {}).items() if outcome == "connected"]
+  if set(r.get("interfaces", ["?"])) - {"lo"} or connected:
     problems.append(f"network not isolated (interfaces {r.get('interfaces')}, connect {r.get('connect')})")
   written = [d for d, outcome in r.get("writes", {}).items() if outcome == "written"]
   if written or not r.get("scratch_writable"):
     problems.append(f"filesystem not read-only (written: {written})")
+  if r.get("host_paths_seen"):
+    problems.append(f"host paths visible: {r['host_paths_seen']}")
   if r.get("pid") != 2:
     problems.append(f"no PID namespace (pid {r.get('pid')})")
-  proc, failed_mounts = "host", "-"
+  if r.get("oom_score_adj") != 1000:
+    problems.append(f"oom_score_adj not raised ({r.get('oom_score_adj')})")
+  if _SECCOMP and (r.get("seccomp") != "2" or r.get("memfd") == "created"):
+    problems.append(f"syscall filter not in force (Seccomp {r.get('seccomp')}, memfd_create {r.get('memfd')})")
+  proc, root = "host", "?"
   for line in info:
     if line.startswith("mounts "):
       fields = dict(item.partition("=")[::2] for item in line.split()[1:])
-      proc, failed_mounts = fields.get("proc", "host"), fields.get("failed", "-")
+      proc, root = fields.get("proc", "host"), fields.get("root", "?")
   if proc == "host":
     problems.append("could not hide the host's /proc")
   if problems:
     return dataclasses.replace(guard, reason="; ".join(problems))
   notes = [identity.note] if identity.note else []
-  if failed_mounts != "-":
-    notes.append(f"mounts left writable (unreachable for the code or under /proc): {failed_mounts}")
+  skipped = [line.split(" ", 1)[1] for line in info if line.startswith("bind-skipped ")]
+  if skipped:
+    notes.append(f"not bound into the sandbox: {', '.join(skipped)}")
+  if root != "pivot_root":
+    notes.append(f"root changed with {root}")
   return SandboxIsolation(
     "namespace",
     "namespace",
-    "read-only-mounts",
+    "minimal-root",
     "pid-namespace",
     proc,
     host_uid,
     identity.python,
     notes="; ".join(notes),
+    syscalls=syscalls,
+    memory=_MEMORY_NAMESPACE,
+    oom_score_adj=1000,
   )
 
 
@@ -1114,8 +1475,10 @@ def isolation() -> SandboxIsolation:
 
   The probe runs a small program in namespace mode and checks from the inside that it
   has no capabilities, no network interface but loopback and no connection to
-  127.0.0.1, cannot write to ``/``, ``/tmp``, ``/dev/shm`` or the sandbox directory, and
-  runs as PID 2 of its own PID namespace.  If any check fails, or namespaces cannot be
+  127.0.0.1 or a unix socket, cannot write to ``/``, sees none of the host's ``/tmp``,
+  ``/run``, ``/dev/shm``, home and the trainer's directories, runs as PID 2 of its own PID
+  namespace with ``oom_score_adj`` 1000, and (where the filter exists) under seccomp with
+  ``memfd_create`` refused.  If any check fails, or namespaces cannot be
   created, the sandbox uses guard mode and ``reason`` says why.  The result is cached for
   the life of the process (about 0.1 s on the first call).
   """
@@ -1132,7 +1495,7 @@ def network_isolation() -> str:
 
 
 def filesystem_isolation() -> str:
-  """``"read-only-mounts"`` if writes outside the working directory are kernel-blocked, else ``"python-guard"``."""
+  """``"minimal-root"`` if the code sees only its own read-only root (kernel-enforced), else ``"python-guard"``."""
   return isolation().filesystem
 
 
@@ -1153,7 +1516,8 @@ def run_python(
   """Runs untrusted Python source in a sandboxed process and waits for it (see the module docstring).
 
   The code runs as ``__main__`` from ``<tmpdir>/main.py`` with ``<tmpdir>/work`` as its
-  working directory (the only writable place), and the directory is deleted afterwards.
+  working directory (the only writable place; in namespace mode the code sees them as
+  ``/main.py`` and ``/work`` in a root of its own), and the directory is deleted afterwards.
   Nothing the code does raises here: failures show in the result.
 
   Args:

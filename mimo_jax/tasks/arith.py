@@ -285,6 +285,9 @@ class ArithTask:
       share larger than a quarter of some level's distinct prompts.
   """
 
+  # Verification compares strings; nothing the model writes is executed (no sandbox needed).
+  runs_untrusted_code = False
+
   def __init__(
     self,
     levels: Sequence[int] = (1, 2),

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from mimo_jax.rewards import sandbox_policy
 from mimo_jax.rewards.code import CodeVerdict, extract_code, probe_components, unit_test_result
 from mimo_jax.tasks.splits import Malformed, SplitTask, check_string_fields, content_uid, read_jsonl_rows
 
@@ -183,8 +184,15 @@ class HumanEvalTask(SplitTask):
       ``mimo_jax.tasks.tfds_sources``).
     timeout_s: wall-clock limit of one verification (interpreter start-up included).
     memory_mb: address-space limit per sandbox process, in MiB.
+    require_kernel_isolation: refuse every verification (raising
+      :class:`~mimo_jax.rewards.sandbox.SandboxError`, nothing run) in a process whose
+      sandbox has no kernel isolation.  The trainer's tasks set it unless
+      ``--allow_weak_sandbox`` is given: reward workers probe the sandbox again, and a
+      worker whose probe fails must not fall back to guard mode silently.  Off: the
+      sandbox runs in whatever mode it found (direct use, tests).
 
   Attributes:
+    runs_untrusted_code: True (class attribute): verification executes the completion.
     num_overlap_removed: distinct training problems dropped because the test file has them.
     num_duplicates_removed: training rows dropped as repeats of an earlier training prompt.
     num_malformed_train: malformed rows skipped in the training file.
@@ -196,6 +204,9 @@ class HumanEvalTask(SplitTask):
       removing the overlap.
   """
 
+  # Verification runs the model's program: building the task checks the sandbox (tasks/registry.py).
+  runs_untrusted_code = True
+
   def __init__(
     self,
     train_path: str | os.PathLike[str] | None = None,
@@ -205,11 +216,13 @@ class HumanEvalTask(SplitTask):
     timeout_s: float = 5.0,
     memory_mb: int = 512,
     loader: Callable[[str], tuple[list[dict[str, Any]], int]] | None = None,
+    require_kernel_isolation: bool = False,
   ) -> None:
     if not timeout_s > 0:
       raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
     self.timeout_s = float(timeout_s)
     self.memory_mb = memory_mb
+    self.require_kernel_isolation = bool(require_kernel_isolation)
     self.train_path = os.fspath(train_path if train_path is not None else DEFAULT_TRAIN_PATH)
     self.test_path = os.fspath(test_path if test_path is not None else DEFAULT_TEST_PATH)
 
@@ -264,13 +277,22 @@ class HumanEvalTask(SplitTask):
 
     Returns:
       The :class:`~mimo_jax.rewards.code.CodeVerdict`.
+
+    Raises:
+      SandboxError: ``require_kernel_isolation`` is set and this process has no kernel isolation.
     """
+    self._check_isolation()
     return unit_test_result(*self._test_args(problem, completion_text), **self._limits(problem))
 
   @staticmethod
   def _test_args(problem: HumanEvalProblem, completion_text: str) -> tuple[str, str, str]:
     """``(program, tests, entry_point)``: the prompt plus the completion (or its fenced function)."""
     return extract_code(completion_text, problem.prompt), problem.tests, problem.entry_point
+
+  def _check_isolation(self) -> None:
+    # In the process that runs the code (a reward worker probes on its own): cached after one probe.
+    if self.require_kernel_isolation:
+      sandbox_policy.check_before_running(allow_weak=False)
 
   def _limits(self, problem: HumanEvalProblem) -> dict[str, Any]:
     return {"context": problem.prompt, "timeout_s": self.timeout_s, "memory_mb": self.memory_mb}
@@ -296,7 +318,11 @@ class HumanEvalTask(SplitTask):
 
     Returns:
       ``{"strict": ..., "weak": ..., "hacked": ...}``, each 0.0 or 1.0; ``strict`` equals :meth:`reward`.
+
+    Raises:
+      SandboxError: ``require_kernel_isolation`` is set and this process has no kernel isolation.
     """
+    self._check_isolation()
     return probe_components(*self._test_args(problem, completion_text), **self._limits(problem))
 
 

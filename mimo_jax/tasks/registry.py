@@ -3,6 +3,10 @@
 A task exposes ``heldout()``, ``sample(rng, n)``, ``reward(problem, text)``,
 ``sft_examples(rng, n)`` and ``tokenizer_corpus()``; its problems have ``prompt``,
 ``answer`` and ``uid`` (a content hash, used to keep held-out prompts out of training).
+
+A task whose class sets ``runs_untrusted_code`` (HumanEval: its verifier executes the
+model's program) is only built where the sandbox has kernel isolation, or with
+``--allow_weak_sandbox`` (:func:`check_sandbox`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Any
 
 from mimo_jax.config import DataConfig, parse_int_list
 from mimo_jax.config_base import ConfigError
+from mimo_jax.rewards import sandbox_policy
 from mimo_jax.tasks import gsm8k, humaneval
 from mimo_jax.tasks.arith import ArithTask, build_tokenizer
 from mimo_jax.tasks.gsm8k import GSM8KTask
@@ -29,6 +34,31 @@ TEXT_VOCAB = 2000
 CODE_VOCAB = 1000
 # TFDS array_record cache of the prompt sources when --tfds_dir is not given (jsonl task only).
 DEFAULT_TFDS_DIR = "~/.cache/mimo_jax/tfds"
+# The task class of each --task, for what is known before building it (whether it runs code).
+TASK_CLASSES: dict[str, type] = {"arith": ArithTask, "gsm8k": GSM8KTask, "humaneval": HumanEvalTask, "jsonl": JsonlTask}
+
+
+def runs_untrusted_code(cfg: DataConfig) -> bool:
+  """Whether ``cfg.task``'s verifier executes model-written code (its class's ``runs_untrusted_code``)."""
+  return bool(getattr(TASK_CLASSES.get(cfg.task), "runs_untrusted_code", False))
+
+
+def check_sandbox(cfg: DataConfig) -> dict[str, Any] | None:
+  """Applies the sandbox policy to ``cfg.task``; returns the isolation record a run stores (None: no code runs).
+
+  Tasks that run no code return None without probing the sandbox.  For the others the
+  sandbox's isolation is probed (once per process) and, without kernel isolation, the run
+  is refused unless ``--allow_weak_sandbox`` is set
+  (:func:`~mimo_jax.rewards.sandbox_policy.require_isolation`, which also prints the
+  isolation in effect, once).
+
+  Raises:
+    ConfigError: the task runs code, the sandbox has no kernel isolation and
+      ``--allow_weak_sandbox`` is not set.
+  """
+  if not runs_untrusted_code(cfg):
+    return None
+  return sandbox_policy.require_isolation(allow_weak=cfg.allow_weak_sandbox, what=f"--task={cfg.task}")
 
 
 def build_task(cfg: DataConfig, *, seed: int, hf_checkpoint: str = "") -> tuple[Any, Tokenizer]:
@@ -41,9 +71,14 @@ def build_task(cfg: DataConfig, *, seed: int, hf_checkpoint: str = "") -> tuple[
       ``cfg.tokenizer_path`` is empty.
 
   Raises:
-    ConfigError: the task is not available, or its files are unusable.
+    ConfigError: the task is not available, or its files are unusable, or it runs
+      model-written code and the sandbox has no kernel isolation (without
+      ``--allow_weak_sandbox``).
   """
   del seed
+  # Before anything is loaded or trained (tokenizers): every path that builds a task (trainer,
+  # evaluator, dry run) refuses to run untrusted code without kernel isolation here.
+  check_sandbox(cfg)
   if cfg.task == "arith":
     task = ArithTask(
       levels=parse_int_list("arith_levels", cfg.arith_levels),
@@ -77,6 +112,8 @@ def build_task(cfg: DataConfig, *, seed: int, hf_checkpoint: str = "") -> tuple[
         cfg.eval_data_path or None,
         timeout_s=cfg.reward_timeout_s,
         loader=_tfds_loader(cfg, humaneval),
+        # The same rule again in every process that runs a verification (reward workers probe anew).
+        require_kernel_isolation=not cfg.allow_weak_sandbox,
       )
     except ValueError as e:
       raise ConfigError(f"--data_path/--eval_data_path: {e}") from None

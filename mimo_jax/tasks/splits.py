@@ -242,9 +242,13 @@ class SplitTask:
   Problems need a ``uid`` (a content hash of the prompt or question).
 
   Attributes:
+    runs_untrusted_code: whether verifying a completion executes it (class attribute; a
+      task that does sets it True, and building it then checks the sandbox's isolation,
+      see :mod:`mimo_jax.rewards.sandbox_policy`).
     num_overlap_removed: distinct training problems dropped because the test set has them.
   """
 
+  runs_untrusted_code: bool = False
   _train: list[Any]
   _heldout: list[Any]
   _heldout_uids: frozenset[str]

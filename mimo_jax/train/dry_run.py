@@ -9,6 +9,10 @@ updates, controllers).  The per-device byte counts come from the shardings (what
 stores) and from XLA's compiled memory analysis (arguments, outputs, temporaries, generated
 code of each program), so a configuration that does not fit is found before any accelerator
 time is spent.  The report is printed and written to ``<run_dir>/dry_run.json``.
+
+A task that runs model-written code gets the trainer's sandbox check first (refused without
+kernel isolation unless ``--allow_weak_sandbox``), and its report carries the ``sandbox``
+record, so a dry run does not pass a configuration the trainer would refuse.
 """
 
 from __future__ import annotations
@@ -121,8 +125,16 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
     cfg: the run configuration.
     vocab_size: the vocabulary (default: the one the run would use, see :func:`run_vocab`).
     write: write ``dry_run.json`` into the run directory.
+
+  Raises:
+    ConfigError: the task runs code and the sandbox has no kernel isolation (without
+      ``--allow_weak_sandbox``), or the task cannot be built.
   """
+  from mimo_jax.tasks.registry import check_sandbox
+
   t0 = time.perf_counter()
+  # Whether or not the vocabulary needs the task built (run_vocab), as the trainer would.
+  sandbox = check_sandbox(cfg.data)
   mesh = sharding.build_mesh(cfg.mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
   model_cfg = cfg.model.model_config().replace(vocab_size=vocab_size or run_vocab(cfg))
@@ -200,6 +212,8 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
     "per_device_bytes": storage,
     "per_device_gib": {k: v / GiB for k, v in storage.items()},
   }
+  if sandbox is not None:
+    report["sandbox"] = sandbox
 
   compiled: dict[str, Any] = {}
   times: dict[str, float] = {}

@@ -41,7 +41,7 @@ from mimo_jax.rewards.base import RewardSource
 from mimo_jax.rewards.task_rewards import build_task_reward, reward_samples
 from mimo_jax.rollout import FINISH_LENGTH, RolloutOutput, Sampler
 from mimo_jax.rollout.encoding import decode_completions, encode_prompts, encode_targets, sampling_params
-from mimo_jax.tasks.registry import build_task
+from mimo_jax.tasks.registry import build_task, check_sandbox
 from mimo_jax.train import rundir
 from mimo_jax.train.learner import Experience, LearnerState, build_learner, init_controller_state, uses_kl
 from mimo_jax.train.logger import MetricsLogger, format_progress
@@ -189,6 +189,9 @@ class RLRun:
     self.run_dir = run_dir
     self.mesh = sharding.build_mesh(cfg.mesh)
     self.task, self.tokenizer = build_task(cfg.data, seed=cfg.run.seed, hf_checkpoint=cfg.model.hf_checkpoint)
+    # The isolation untrusted code runs under (build_task enforced the policy; None: the task runs no
+    # code), recorded in config.json and summary.json.
+    self.sandbox = check_sandbox(cfg.data)
     self.buckets = cfg.rollout.buckets
     self.sampling = sampling_params(cfg.rollout, self.tokenizer)
     self.sampling_version = _digest([dataclasses.asdict(self.sampling), dataclasses.asdict(cfg.rollout)])
@@ -777,12 +780,17 @@ def train(cfg: Config, *, rollout_factory=None) -> dict[str, Any]:
   """
   t_start = time.perf_counter()
   run_dir = resolve_run_dir(cfg)
+  # A task that runs untrusted code without kernel isolation is refused before the run directory is
+  # touched (--overwrite would clear it first); building the task checks again, silently.
+  check_sandbox(cfg.data)
   with rundir.RunDirLock(run_dir):  # one trainer per run directory, for the whole run
     _claim(cfg, run_dir)
     run = RLRun(cfg, run_dir, rollout_factory=rollout_factory)
     try:
       restored = run.restore()  # refuses checkpoints none of which restores: nothing is written before
-      rundir.write_atomic(os.path.join(run_dir, "config.json"), cfg.to_json())
+      # Rewritten on every start, resumes included: the sandbox record is this machine's.
+      config_text = rundir.config_json(cfg.to_dict(), sandbox=run.sandbox)
+      rundir.write_atomic(os.path.join(run_dir, "config.json"), config_text)
       run.open_logger(restored)
       previous = signal.signal(signal.SIGTERM, run.request_preemption)
       try:
@@ -891,6 +899,8 @@ def _train(run: RLRun, restored: Restored | None, t_start: float) -> dict[str, A
     "nonfinite_steps": run.nonfinite_steps,
     "run_dir": run.run_dir,
   }
+  if run.sandbox is not None:
+    summary["sandbox"] = run.sandbox
   tmp = summary_path + ".tmp"
   with open(tmp, "w") as f:
     json.dump(summary, f, indent=2)

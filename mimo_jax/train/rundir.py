@@ -67,7 +67,11 @@ class RunDirLock:
 
 
 def identity_mismatches(previous: dict[str, Any], current: dict[str, Any]) -> list[str]:
-  """``--flag: old -> new`` for every identity setting that differs between two ``Config.to_dict()``s."""
+  """``--flag: old -> new`` for every identity setting that differs between two ``Config.to_dict()``s.
+
+  Only the :data:`IDENTITY` settings count: other keys of a ``config.json`` (the ``sandbox``
+  record of the machine, which a resume elsewhere may change) are ignored.
+  """
   out = []
   for section, names in IDENTITY.items():
     section = "data" if section == "data_rows" else section
@@ -76,6 +80,20 @@ def identity_mismatches(previous: dict[str, Any], current: dict[str, Any]) -> li
       if old != new:
         out.append(f"--{name}: {old!r} -> {new!r}")
   return out
+
+
+def config_json(config: dict[str, Any], *, sandbox: dict[str, Any] | None = None) -> str:
+  """The text of a run's ``config.json``: ``Config.to_dict()``, plus the ``sandbox`` record for tasks that run code.
+
+  The record (:func:`mimo_jax.rewards.sandbox_policy.isolation_record`) describes the machine
+  the run last started on, not a setting: :func:`identity_mismatches` never looks at it, and
+  readers that rebuild a Config skip it (``mimo_jax.config.RUN_RECORD_KEYS``).  Without a
+  record the text is exactly ``Config.to_json()``.
+  """
+  data = dict(config)
+  if sandbox is not None:
+    data["sandbox"] = sandbox
+  return json.dumps(data, indent=2, sort_keys=True)
 
 
 def read_config(run_dir: str) -> dict[str, Any] | None:
