@@ -169,13 +169,12 @@ def test_config_json_carries_the_record_only_when_given():
 
 def test_a_different_sandbox_record_is_neither_a_mismatch_nor_unreadable(tmp_path):
   from mimo_jax.eval.evaluator import load_run_config
-  from mimo_jax.train.loop import _claim
 
   cfg = Config(data=DataConfig(task="humaneval"))
   (tmp_path / "config.json").write_text(rundir.config_json(cfg.to_dict(), sandbox={"mode": "guard"}))
   current = json.loads(rundir.config_json(cfg.to_dict(), sandbox={"mode": "namespace"}))
   assert rundir.identity_mismatches(rundir.read_config(str(tmp_path)), current) == []
-  _claim(cfg, str(tmp_path))  # a resume on another machine is not refused
+  rundir.RunDir(str(tmp_path)).claim(cfg.to_dict(), overwrite=False)  # a resume on another machine is not refused
   assert load_run_config(str(tmp_path)) == cfg
 
 

@@ -8,16 +8,12 @@ itself is :func:`train`, and one RL step is :meth:`RLRun.step`.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import datetime
-import hashlib
 import json
 import os
 import signal
 import time
-import zlib
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -26,53 +22,26 @@ import numpy as np
 import tqdm
 from absl import logging
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from mimo_jax import sharding
-from mimo_jax.ckpt import Checkpointer
 from mimo_jax.ckpt.manager import abstract_like
-from mimo_jax.config import Config, parse_float_list, parse_int_list
+from mimo_jax.config import Config, parse_int_list
 from mimo_jax.config_base import ConfigError
-from mimo_jax.data.curriculum import PassRateCurriculum, PromptSampler
 from mimo_jax.eval.evaluator import default_ks, eval_rows, evaluate_policy
 from mimo_jax.models import Transformer, ValueModel, create_sharded, load_hf
 from mimo_jax.optim import TrainState, commit_like_params, init_opt_state, make_optimizer
 from mimo_jax.rewards.base import RewardSource
-from mimo_jax.rewards.task_rewards import build_task_reward, reward_samples
-from mimo_jax.rollout import FINISH_LENGTH, RolloutOutput, Sampler
-from mimo_jax.rollout.encoding import decode_completions, encode_prompts, encode_targets, sampling_params
+from mimo_jax.rewards.task_rewards import build_task_reward
+from mimo_jax.rollout import FINISH_LENGTH, Sampler
+from mimo_jax.rollout.encoding import encode_prompts, encode_targets
 from mimo_jax.tasks.registry import build_task, check_sandbox
 from mimo_jax.train import rundir
-from mimo_jax.train.learner import Experience, LearnerState, build_learner, init_controller_state, uses_kl
+from mimo_jax.train.learner import LearnerState, build_learner, init_controller_state, uses_kl
 from mimo_jax.train.logger import MetricsLogger, format_progress
+from mimo_jax.train.rollout_worker import RolloutWorker, digest
 from mimo_jax.train.steps import SequenceBatch, make_sft_step
 
 PROGRESS_KEYS = ("reward_mean", "accuracy", "kl_k3", "entropy", "clipfrac", "grad_norm", "response_len", "value_loss")
-
-# ----------------------------------------------------------------------------
-# Small typed stage outputs
-# ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Rewards:
-  """Host-side rewards of one rollout batch.
-
-  Attributes:
-    values: float32 ``[B]`` raw rewards (what is logged): the mixed reward of the sources.
-    correct: bool ``[B]``, the verifier's verdict.
-    texts: the decoded completions.
-    metrics: per-component means and failure counts (``reward/...``).
-    histograms: per-component raw values (``reward/<name>``), logged as histograms.
-    components: per source name, float32 ``[B]`` raw values (NaN where a source does not apply).
-  """
-
-  values: np.ndarray
-  correct: np.ndarray
-  texts: list[str]
-  metrics: dict[str, float] = dataclasses.field(default_factory=dict)
-  histograms: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
-  components: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 def resolve_run_dir(cfg: Config) -> str:
@@ -82,69 +51,8 @@ def resolve_run_dir(cfg: Config) -> str:
   return os.path.join("runs", f"{cfg.run.experiment}-{stamp}")
 
 
-def _select_groups(
-  rounds: Sequence[tuple[list[Any], RolloutOutput, Rewards]], picks: Sequence[tuple[int, int]], group_size: int
-) -> tuple[list[Any], RolloutOutput, Rewards]:
-  """Assembles one batch from groups ``(round, group)`` of several generation rounds.
-
-  The result has the shapes and shardings of one round (prompt columns left-padded to the
-  widest round's bucket), so the jitted stages downstream never recompile.  The selection
-  runs on the host: the arrays are small and eager device ops would compile per shape.
-  """
-  P = max(r[1].prompt_tokens.shape[1] for r in rounds)
-  first = rounds[0][1]
-
-  def host(rollout: RolloutOutput) -> dict[str, np.ndarray]:
-    arrays = {
-      f.name: np.asarray(getattr(rollout, f.name))
-      for f in dataclasses.fields(rollout)
-      if f.metadata.get("pytree_node", True)
-    }
-    extra = P - arrays["prompt_tokens"].shape[1]
-    for name in ("prompt_tokens", "prompt_mask"):
-      arrays[name] = np.pad(arrays[name], ((0, 0), (extra, 0)))
-    return arrays
-
-  hosts = [host(r[1]) for r in rounds]
-  rows = [(r, np.arange(g * group_size, (g + 1) * group_size)) for r, g in picks]
-  fields = {name: np.concatenate([hosts[r][name][idx] for r, idx in rows]) for name in hosts[0]}
-  fields["prompt_index"] = np.repeat(np.arange(len(picks), dtype=np.int32), group_size)
-  widest = next(r[1] for r in rounds if r[1].prompt_tokens.shape[1] == P)
-
-  def place(name: str, x: np.ndarray) -> jax.Array:
-    # Back onto the mesh layout the sampler produced (uncommitted if it produced no mesh layout).
-    sharding = getattr(widest if name in ("prompt_tokens", "prompt_mask") else first, name).sharding
-    return jax.device_put(x, sharding) if isinstance(sharding, NamedSharding) else jnp.asarray(x)
-
-  placed = {name: place(name, x) for name, x in fields.items()}
-  rollout = first.replace(**placed)
-  problems = [rounds[r][0][g] for r, g in picks]
-
-  def gather(field: str) -> np.ndarray:
-    return np.concatenate([getattr(rounds[r][2], field)[g * group_size : (g + 1) * group_size] for r, g in picks])
-
-  texts = [rounds[r][2].texts[g * group_size + i] for r, g in picks for i in range(group_size)]
-  components = {
-    name: np.concatenate([rounds[r][2].components[name][g * group_size : (g + 1) * group_size] for r, g in picks])
-    for name in rounds[0][2].components
-  }
-  # Component metrics are those of the first round (the others only refill the batch).
-  first = rounds[0][2]
-  rewards = Rewards(gather("values"), gather("correct"), texts, first.metrics, first.histograms, components)
-  return problems, rollout, rewards
-
-
 def _reset_optimizer(policy: TrainState) -> TrainState:
   return policy.replace(opt_state=init_opt_state(policy.tx, policy.params if policy.master is None else policy.master))
-
-
-def _prompt_id(uid: str) -> int:
-  """A stable 31-bit id of a prompt (its content hash), for device-side provenance."""
-  return zlib.crc32(uid.encode()) & 0x7FFFFFFF
-
-
-def _digest(obj: Any) -> str:
-  return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
 
 
 # ----------------------------------------------------------------------------
@@ -173,9 +81,10 @@ class RunAborted(RuntimeError):
 class RLRun:
   """Holds the mesh, model, sampler, jitted steps, data streams and checkpoints of one run.
 
-  Every piece of state that a step reads or writes lives either in the ``TrainState``
-  (arrays) or in ``self.key`` / ``self.data_rng`` / the buffer records (host), and all of
-  it goes into each checkpoint, so a resumed run is bit-identical to an uninterrupted one.
+  Every piece of state that a step reads or writes lives either in the ``LearnerState``
+  (arrays) or in the rollout worker's host state (the loop key's data, the data RNG, the
+  curriculum, the batch records), and all of it goes into each checkpoint, so a resumed run
+  is bit-identical to an uninterrupted one.
   """
 
   def __init__(self, cfg: Config, run_dir: str, *, rollout_factory=None):
@@ -187,16 +96,14 @@ class RLRun:
     """
     self.cfg = cfg
     self.run_dir = run_dir
+    self.dir = rundir.RunDir(run_dir)  # every file of the run goes through it
     self.mesh = sharding.build_mesh(cfg.mesh)
     self.task, self.tokenizer = build_task(cfg.data, seed=cfg.run.seed, hf_checkpoint=cfg.model.hf_checkpoint)
     # The isolation untrusted code runs under (build_task enforced the policy; None: the task runs no
     # code), recorded in config.json and summary.json.
     self.sandbox = check_sandbox(cfg.data)
     self.buckets = cfg.rollout.buckets
-    self.sampling = sampling_params(cfg.rollout, self.tokenizer)
-    self.sampling_version = _digest([dataclasses.asdict(self.sampling), dataclasses.asdict(cfg.rollout)])
-    self.key = jax.random.key(cfg.run.seed)
-    self.key, init_key, self._sft_key, self._rl_key = jax.random.split(self.key, 4)
+    loop_key, init_key, self._sft_key, self._rl_key = jax.random.split(jax.random.key(cfg.run.seed), 4)
     if cfg.model.hf_checkpoint:
       overrides = {"remat": cfg.model.remat} if cfg.model.remat else {}
       model = load_hf(
@@ -218,7 +125,6 @@ class RLRun:
       model = create_sharded(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed)), self.mesh)
     self.model_cfg = model.config
     self.graphdef, self._init_params = nnx.split(model)
-    self.data_rng = np.random.default_rng(cfg.run.seed)
     d = cfg.data
     extra_sources = []
     if d.reward_model:
@@ -235,7 +141,7 @@ class RLRun:
         batch_rows=cfg.data.prompts_per_step * cfg.rollout.num_samples,
       )
       extra_sources.append(RewardSource("reward_model", scorer, weight=d.reward_model_weight, batched=True))
-    self.rewarder = build_task_reward(
+    rewarder = build_task_reward(
       self.task,
       extra_sources=extra_sources,
       workers=d.reward_workers,
@@ -245,11 +151,11 @@ class RLRun:
       hacking_probe=d.reward_hacking_probe,
     )
     self.heldout = self.task.heldout()[: cfg.data.eval_prompts]
-    self.prompt_sampler = self._prompt_sampler() if cfg.data.curriculum else None
     factory = rollout_factory or (lambda model, mesh: Sampler(model, mesh=mesh))
-    self.sampler = factory(nnx.merge(self.graphdef, self._init_params), self.mesh)
-    self.rows = cfg.data.prompts_per_step
-    shards = self.sampler.batch_shards
+    sampler = factory(nnx.merge(self.graphdef, self._init_params), self.mesh)
+    # ---- the rollout side: prompts -> generation -> rewards -> Experience (host state only)
+    self.worker = RolloutWorker(cfg, self.task, self.tokenizer, sampler, rewarder, loop_key)
+    shards = sampler.batch_shards
     # Evaluation batches: a fixed number of prompts per call, a multiple of the batch shards.
     self.eval_rows = eval_rows(len(self.heldout), shards)
 
@@ -272,12 +178,9 @@ class RLRun:
 
     # ---- checkpoints, logs, host-side bookkeeping
     ck = cfg.checkpoint
-    self.ckpt = Checkpointer(
-      os.path.join(run_dir, "checkpoints"), keep_last=ck.keep_last, keep_every=ck.keep_every, async_save=ck.async_save
-    )
-    self.ref_ckpt = Checkpointer(os.path.join(run_dir, "reference"), keep_last=1, async_save=False)
+    self.ckpt = self.dir.checkpointer(keep_last=ck.keep_last, keep_every=ck.keep_every, async_save=ck.async_save)
+    self.ref_ckpt = self.dir.reference_checkpointer()
     self.logger: MetricsLogger | None = None
-    self.batches: collections.deque[dict[str, Any]] = collections.deque(maxlen=16)
     self.bad_steps = 0
     self.rollbacks = 0
     self.nonfinite_steps = 0
@@ -288,25 +191,15 @@ class RLRun:
       set(parse_int_list("debug_nan_steps", cfg.run.debug_nan_steps)) if cfg.run.debug_nan_steps else set()
     )
 
-  def _prompt_sampler(self) -> PromptSampler:
-    """The curriculum sampler: a pool of task prompts, weighted toward the pass-rate band."""
-    band = parse_float_list("curriculum_band", self.cfg.data.curriculum_band, 2)
-    cls = type(self.task.sample(np.random.default_rng(0), 1)[0])
-    return PromptSampler(
-      self.task.sample,
-      pool_size=self.cfg.data.curriculum_pool,
-      curriculum=PassRateCurriculum(target_band=(band[0], band[1])),
-      heldout_uids={p.uid for p in self.task.heldout()},
-      dedup_window=1,
-      refresh_fraction=0.1,
-      problem_factory=lambda fields: cls(**fields),
-    )
+  @property
+  def sampler(self) -> Any:
+    """The rollout side's generator (also used for evaluation)."""
+    return self.worker.sampler
 
-  def sample_problems(self) -> list[Any]:
-    """This step's training prompts (from the curriculum's pool when on)."""
-    if self.prompt_sampler is not None:
-      return self.prompt_sampler.sample(self.data_rng, self.rows)
-    return self.task.sample(self.data_rng, self.rows)
+  @property
+  def data_rng(self) -> np.random.Generator:
+    """The training prompts' RNG (rollout-side host state)."""
+    return self.worker.data_rng
 
   # ------------------------------------------------------------------ states and checkpoints
 
@@ -366,10 +259,10 @@ class RLRun:
         tree["value"] = self._state_tree(state.value)
     else:
       tree = self._state_tree(state)
-    return {**tree, "loop_key": jax.random.key_data(self.key)}
+    return {**tree, "loop_key": self.worker.key_data}
 
   def _from_tree(self, template: TrainState | LearnerState, tree: dict[str, Any]) -> TrainState | LearnerState:
-    self.key = jax.random.wrap_key_data(tree["loop_key"])
+    self.worker.load_host_state(loop_key=np.asarray(tree["loop_key"]))
     if not isinstance(template, LearnerState):
       return self._state_from_tree(template, tree)
     value = template.value
@@ -380,27 +273,28 @@ class RLRun:
 
   def _meta(self, phase: str, step: int, log_step: int, *, policy_version: int, with_data: bool) -> dict[str, Any]:
     """Checkpoint metadata (``checkpoints_schema/checkpoint_meta.v1.json``)."""
+    rollout = self.worker.host_state(with_data=with_data)
     return {
       "phase": phase,
       "step": step,
       "log_step": log_step,
       "created_unix": time.time(),
-      "config_digest": _digest(self.cfg.to_dict()),
+      "config_digest": digest(self.cfg.to_dict()),
       "model_config": json.loads(json.dumps(dataclasses.asdict(self.model_cfg))),
-      "data_rng": json.loads(json.dumps(self.data_rng.bit_generator.state)) if with_data else {},
+      "data_rng": rollout["data_rng"],
       "controllers": {
         "bad_steps": self.bad_steps,
         "rollbacks": self.rollbacks,
         "nonfinite_steps": self.nonfinite_steps,
         "last_good_step": self.last_good_step,
-        "prompt_sampler": self.prompt_sampler.state_dict() if self.prompt_sampler and with_data else None,
-        "reward": self.rewarder.state_dict() if with_data else None,
+        "prompt_sampler": rollout["prompt_sampler"],
+        "reward": rollout["reward"],
       },
       "buffer": {
         "next_batch_id": step if phase == "rl" else 0,
         "policy_version": policy_version,
-        "sampling_params_version": self.sampling_version,
-        "batches": list(self.batches) if phase == "rl" and with_data else [],
+        "sampling_params_version": self.worker.sampling_version,
+        "batches": rollout["batches"] if phase == "rl" else [],
         "pending": [],  # synchronous loop: every generated batch is trained on within its step
       },
     }
@@ -448,31 +342,33 @@ class RLRun:
           f"{[s - self.cfg.run.sft_steps - 1 for s in self.ckpt.all_steps() if s > self.cfg.run.sft_steps]})"
         )
       self.ckpt.delete_after(gstep)
-    if meta["config_digest"] != _digest(self.cfg.to_dict()):
+    if meta["config_digest"] != digest(self.cfg.to_dict()):
       print("warning: resuming with a configuration that differs from the checkpoint's", flush=True)
     state = self._from_tree(templates[meta["phase"]], tree)
-    self.data_rng.bit_generator.state = meta["data_rng"]
     ctl = meta.get("controllers", {})
     self.bad_steps, self.rollbacks = ctl.get("bad_steps", 0), ctl.get("rollbacks", 0)
     self.nonfinite_steps = ctl.get("nonfinite_steps", 0)
     self.last_good_step = ctl.get("last_good_step", meta["step"])
-    self._restore_host_controllers(ctl)
-    self.batches.extend(meta["buffer"]["batches"])
+    self._restore_rollout_side(meta)
     if meta["phase"] == "rl":
       state = self._restore_reference(state)
       if ck.rollback_to >= 0 and ck.rollback_reset_optimizer:
         state = state.replace(policy=_reset_optimizer(state.policy))
-    self.sampler.update_params(state.params)
+    self.worker.update_params(state.params)
     what = "rolled back to" if ck.rollback_to >= 0 else "resumed from"
     print(f"{what} {meta['phase']} step {meta['step']} (checkpoint {gstep})", flush=True)
     return Restored(phase=meta["phase"], step=meta["step"], state=state, meta=meta)
 
-  def _restore_host_controllers(self, ctl: dict[str, Any]) -> None:
-    """The host-side states saved in the metadata: the curriculum's pool and estimates, the reward normaliser."""
-    if self.prompt_sampler is not None and ctl.get("prompt_sampler"):
-      self.prompt_sampler.load_state_dict(ctl["prompt_sampler"])
-    if ctl.get("reward"):
-      self.rewarder.load_state_dict(ctl["reward"])
+  def _restore_rollout_side(self, meta: dict[str, Any]) -> None:
+    """The rollout side's host state saved in the metadata: the data RNG, the curriculum's pool and
+    estimates, the reward normaliser, the batch records (the key came back with the arrays)."""
+    ctl = meta.get("controllers", {})
+    self.worker.load_host_state(
+      data_rng=meta["data_rng"],
+      prompt_sampler=ctl.get("prompt_sampler"),
+      reward=ctl.get("reward"),
+      batches=meta["buffer"]["batches"],
+    )
 
   def _restore_reference(self, state: LearnerState) -> LearnerState:
     if not self.use_kl:
@@ -484,7 +380,7 @@ class RLRun:
 
   def open_logger(self, restored: Restored | None) -> None:
     keep = None if restored is None else restored.meta["log_step"]
-    self.logger = MetricsLogger(self.run_dir, tensorboard=self.cfg.logging.tensorboard, keep_through=keep)
+    self.logger = self.dir.logger(tensorboard=self.cfg.logging.tensorboard, keep_through=keep)
 
   def request_preemption(self, *_):
     self.preempt_requested = True
@@ -499,7 +395,7 @@ class RLRun:
     return flag
 
   def close(self) -> None:
-    self.rewarder.close()
+    self.worker.rewarder.close()
     self.ckpt.close()
     self.ref_ckpt.close()
     if self.logger is not None:
@@ -538,7 +434,7 @@ class RLRun:
   def evaluate(self, params) -> dict[str, float]:
     """Greedy accuracy, unbiased pass@k (k = 1, 8, ..., ``--eval_samples``) and maj@k on the held-out prompts."""
     cfg = self.cfg
-    self.key, eval_key = jax.random.split(self.key)
+    eval_key = self.worker.next_key()
     return evaluate_policy(
       self.sampler,
       params,
@@ -548,7 +444,7 @@ class RLRun:
       buckets=self.buckets,
       rows=self.eval_rows,
       max_new_tokens=cfg.rollout.max_new_tokens,
-      sampling=self.sampling,
+      sampling=self.worker.sampling,
       num_samples=cfg.run.eval_samples,
       ks=default_ks(cfg.run.eval_samples),
       temperature=cfg.run.eval_temperature,
@@ -568,109 +464,9 @@ class RLRun:
       self.ref_ckpt.delete_after(-1)
       self.ref_ckpt.save(0, {"params": state.reference}, self._meta("rl", 0, 0, policy_version=0, with_data=False))
       self.ref_ckpt.wait()
-    self.sampler.update_params(state.params)
+    self.worker.update_params(state.params)
     self.save("rl", 0, state, 0, warm)
     return state
-
-  def temperature(self, step: int) -> float:
-    r = self.cfg.rollout
-    if r.temperature_final < 0 or self.cfg.run.max_steps <= 1:
-      return r.temperature
-    frac = step / (self.cfg.run.max_steps - 1)
-    return r.temperature + frac * (r.temperature_final - r.temperature)
-
-  def reward(self, problems, rollout: RolloutOutput) -> Rewards:
-    """Decodes the completions and scores them with the task's composite reward (host)."""
-    G = self.cfg.rollout.num_samples
-    texts = decode_completions(self.tokenizer, rollout)
-    truncated = np.asarray(rollout.finish_reason) == FINISH_LENGTH
-    batch = self.rewarder(reward_samples(problems, texts, G, truncated))
-    correct = (batch.components["correct"] > 0) & ~batch.failed["correct"]
-    values = np.asarray(batch.rewards, np.float32)
-    return Rewards(values, correct, texts, batch.metrics(), batch.histograms(), batch.components)
-
-  def _generate(self, temperature: float) -> tuple[list[Any], RolloutOutput, int]:
-    """Samples a batch of prompts and generates ``num_samples`` completions for each."""
-    problems = self.sample_problems()
-    tokens, mask, truncated = encode_prompts(self.tokenizer, [p.prompt for p in problems], self.buckets)
-    self.key, gen_key = jax.random.split(self.key)
-    rollout = self.sampler.generate(
-      tokens,
-      mask,
-      num_samples=self.cfg.rollout.num_samples,
-      max_len=self.cfg.rollout.max_new_tokens,
-      sampling=self.sampling,
-      temperature=temperature,
-      key=gen_key,
-    )
-    return problems, rollout, truncated
-
-  def rollout_batch(self, temperature: float) -> tuple[list[Any], RolloutOutput, Rewards, dict[str, float]]:
-    """Generate and reward one batch; with dynamic sampling, refill groups whose rewards are all equal.
-
-    Dynamic sampling (DAPO) generates extra rounds of fresh prompts (each a full,
-    static-shape batch), keeps the first ``prompts_per_step`` groups with a reward spread,
-    and fills any shortfall after ``dynamic_sampling_max_rounds`` extra rounds with the
-    earliest all-equal groups (their advantages are zero; ``ds_filled_groups`` counts them).
-    """
-    G = self.cfg.rollout.num_samples
-    rounds: list[tuple[list[Any], RolloutOutput, Rewards]] = []
-    stats = {"prompt_truncated": 0, "time_reward_s": 0.0}
-    if self.prompt_sampler is not None:
-      stats.update({f"curriculum/{k}": v for k, v in self.prompt_sampler.pass_rate_metrics().items()})
-    keep: list[tuple[int, int]] = []  # (round, group) with a reward spread
-    fill: list[tuple[int, int]] = []  # (round, group) all equal
-    max_rounds = 1 + (self.cfg.algo.dynamic_sampling_max_rounds if self.cfg.algo.dynamic_sampling else 0)
-    while len(rounds) < max_rounds:
-      problems, rollout, truncated = self._generate(temperature)
-      jax.block_until_ready(rollout)
-      t_reward = time.perf_counter()
-      rewards = self.reward(problems, rollout)
-      if self.prompt_sampler is not None:
-        self.prompt_sampler.observe(problems, rewards.correct.reshape(-1, G).mean(axis=1).tolist())
-      stats["time_reward_s"] += time.perf_counter() - t_reward
-      stats["prompt_truncated"] += truncated
-      r = len(rounds)
-      rounds.append((problems, rollout, rewards))
-      groups = rewards.values.reshape(-1, G)
-      for g, row in enumerate(groups):
-        (fill if np.all(row == row[0]) else keep).append((r, g))
-      if not self.cfg.algo.dynamic_sampling or len(keep) >= self.rows:
-        break
-    if len(rounds) == 1:
-      problems, rollout, rewards = rounds[0]
-      return problems, rollout, rewards, stats
-    picks = (keep + fill)[: self.rows]
-    stats.update(
-      ds_rounds=len(rounds),
-      ds_filled_groups=len(set(picks) & set(fill)),
-      ds_kept_frac_first_round=sum(1 for r, _ in keep if r == 0) / self.rows,
-    )
-    return (*_select_groups(rounds, picks, G), stats)
-
-  def experience(self, problems, rollout: RolloutOutput, rewards: Rewards, *, batch_id: int, policy_version: int):
-    """The :class:`Experience` of one rollout batch: the sampler's arrays (on the mesh) and the host's
-    rewards and provenance (small, moved once)."""
-    B = rewards.values.shape[0]
-    G = self.cfg.rollout.num_samples
-    prompt_ids = np.repeat(np.asarray([_prompt_id(p.uid) for p in problems], np.int32), G)
-    return Experience(
-      prompt_tokens=rollout.prompt_tokens,
-      prompt_mask=rollout.prompt_mask,
-      completion_tokens=rollout.completion_tokens,
-      completion_mask=rollout.completion_mask,
-      lengths=rollout.lengths,
-      truncated=rollout.finish_reason == FINISH_LENGTH,
-      rewards=np.asarray(rewards.values, np.float32),
-      reward_components={k: np.asarray(v, np.float32) for k, v in sorted(rewards.components.items())},
-      sampler_logprobs=rollout.sampler_logprobs,
-      temperature=rollout.temperature,
-      top_k=np.full((B,), rollout.top_k, np.int32),
-      top_p=np.full((B,), rollout.top_p, np.float32),
-      policy_version=np.full((B,), policy_version, np.int32),
-      prompt_id=prompt_ids[:B],
-      batch_id=np.full((B,), batch_id, np.int32),
-    )
 
   def step(self, state: LearnerState, step: int) -> tuple[LearnerState, tuple[dict[str, Any], dict[str, Any]]]:
     """One RL step: rollout (generate -> decode -> reward) -> Experience -> learn (one program) -> sync.
@@ -681,27 +477,16 @@ class RLRun:
     t0 = time.perf_counter()
     # The policy version, read while nothing is in flight (the previous step ended with its metrics fetch).
     policy_version = int(jax.device_get(state.step))
-    # ---- generate and reward (host), with dynamic sampling when on
-    temperature = self.temperature(step)
-    problems, rollout, rewards, gen_stats = self.rollout_batch(temperature)
-    exp = self.experience(problems, rollout, rewards, batch_id=step, policy_version=policy_version)
+    # ---- rollout: generate -> decode -> reward (host), with dynamic sampling when on
+    batch = self.worker.produce(step, policy_version)
+    rollout, rewards, gen_stats, temperature = batch.rollout, batch.rewards, batch.stats, batch.temperature
     jax.block_until_ready(rollout)
     t1 = time.perf_counter()
-    self.batches.append(
-      {
-        "batch_id": step,
-        "policy_version": policy_version,
-        "sampling_params_version": self.sampling_version,
-        "status": "consumed",
-        "num_rows": int(rewards.values.shape[0]),
-        "temperature": float(temperature),
-      }
-    )
     # ---- learn: score -> advantages -> policy update -> critic passes -> controllers (state donated)
     poison = step in self.nan_steps  # fault injection (--debug_nan_steps): NaN advantages on row 0
     self.nan_steps.discard(step)
-    state, metrics = self.learner.learn(state, exp, jnp.int32(step), jnp.bool_(poison))
-    self.sampler.update_params(state.params)
+    state, metrics = self.learner.learn(state, batch.experience, jnp.int32(step), jnp.bool_(poison))
+    self.worker.update_params(state.params)
     metrics, lengths, finish = jax.device_get((metrics, rollout.lengths, rollout.finish_reason))
     t2 = time.perf_counter()
     coefs, ctl = metrics["coefs"], metrics["controllers"]
@@ -753,10 +538,7 @@ class RLRun:
     restored = self._from_tree(state, tree)
     policy = restored.policy.replace(lr_scale=lr_scale)
     restored = restored.replace(policy=_reset_optimizer(policy) if ck.rollback_reset_optimizer else policy)
-    self.data_rng.bit_generator.state = meta["data_rng"]
-    self._restore_host_controllers(meta.get("controllers", {}))
-    self.batches.clear()
-    self.batches.extend(meta["buffer"]["batches"])
+    self._restore_rollout_side(meta)
     self.rollbacks += 1
     message = (
       f"rolled back from RL step {step} to step {meta['step']} after {self.bad_steps} consecutive non-finite "
@@ -767,7 +549,7 @@ class RLRun:
     logging.warning(message)
     self.bad_steps = 0
     self.logger.truncate(meta["log_step"])
-    self.sampler.update_params(restored.params)
+    self.worker.update_params(restored.params)
     return restored, meta["step"]
 
 
@@ -783,14 +565,14 @@ def train(cfg: Config, *, rollout_factory=None) -> dict[str, Any]:
   # A task that runs untrusted code without kernel isolation is refused before the run directory is
   # touched (--overwrite would clear it first); building the task checks again, silently.
   check_sandbox(cfg.data)
-  with rundir.RunDirLock(run_dir):  # one trainer per run directory, for the whole run
-    _claim(cfg, run_dir)
+  directory = rundir.RunDir(run_dir)
+  with directory.lock():  # one trainer per run directory, for the whole run
+    directory.claim(cfg.to_dict(), overwrite=cfg.checkpoint.overwrite)
     run = RLRun(cfg, run_dir, rollout_factory=rollout_factory)
     try:
       restored = run.restore()  # refuses checkpoints none of which restores: nothing is written before
       # Rewritten on every start, resumes included: the sandbox record is this machine's.
-      config_text = rundir.config_json(cfg.to_dict(), sandbox=run.sandbox)
-      rundir.write_atomic(os.path.join(run_dir, "config.json"), config_text)
+      directory.write_config(cfg.to_dict(), sandbox=run.sandbox)
       run.open_logger(restored)
       previous = signal.signal(signal.SIGTERM, run.request_preemption)
       try:
@@ -804,66 +586,46 @@ def train(cfg: Config, *, rollout_factory=None) -> dict[str, Any]:
       run.close()
 
 
-def _claim(cfg: Config, run_dir: str) -> None:
-  """Refuses a run directory that holds another configuration's run (unless ``--overwrite``, which clears
-  it)."""
-  previous = rundir.read_config(run_dir)
-  if cfg.checkpoint.overwrite:
-    rundir.clear(run_dir)
-  elif previous is not None:
-    mismatches = rundir.identity_mismatches(previous, cfg.to_dict())
-    if mismatches:
-      raise ConfigError(
-        f"--run_dir={run_dir} holds another configuration's run ({'; '.join(mismatches)}); resuming would "
-        "train another model. Pass --overwrite to replace it, or choose another --run_dir"
-      )
-
-
 def _train(run: RLRun, restored: Restored | None, t_start: float) -> dict[str, Any]:
-  cfg = run.cfg
-  summary_path = os.path.join(run.run_dir, "summary.json")
-  if restored is not None and restored.meta["log_step"] > cfg.run.max_steps and os.path.exists(summary_path):
-    print(f"the run in {run.run_dir} is already complete", flush=True)
-    with open(summary_path) as f:
-      return json.load(f)
-  # ---- supervised warm start (skipped when resuming in the RL phase)
+  """The whole run: supervised warm start -> RL steps -> final evaluation and summary."""
+  if restored is not None and restored.meta["log_step"] > run.cfg.run.max_steps:
+    done = run.dir.read_summary()
+    if done is not None:
+      print(f"the run in {run.run_dir} is already complete", flush=True)
+      return done
   t0 = time.perf_counter()
-  if restored is None or restored.phase == "sft":
-    state = restored.state if restored else run.fresh_state("sft")
-    state = run.sft(state, restored.step if restored else 0) if cfg.run.sft_steps else state
-    warm = run.evaluate(state.params)
-    run.logger.log(0, {f"eval/{k}": v for k, v in warm.items()})
-    state = run.begin_rl(state.params, warm)
-    step = 0
-  else:
-    state, step, warm = restored.state, restored.step, restored.meta["warm_start"]
+  state, step, warm = _warm_start(run, restored)
   sft_s = time.perf_counter() - t0
   print(f"warm-start held-out: {json.dumps(warm)}", flush=True)
+  state, step = _rl_phase(run, state, step, warm)
+  return _finish(run, state, step, warm, restored=restored, t_start=t_start, sft_s=sft_s)
 
-  # ---- GRPO
+
+def _warm_start(run: RLRun, restored: Restored | None) -> tuple[LearnerState, int, dict[str, float]]:
+  """SFT (skipped when resuming in the RL phase), the warm start's evaluation, and the RL state at step 0."""
+  if restored is not None and restored.phase == "rl":
+    return restored.state, restored.step, restored.meta["warm_start"]
+  state = restored.state if restored else run.fresh_state("sft")
+  state = run.sft(state, restored.step if restored else 0) if run.cfg.run.sft_steps else state
+  warm = run.evaluate(state.params)
+  run.logger.log(0, {f"eval/{k}": v for k, v in warm.items()})
+  return run.begin_rl(state.params, warm), 0, warm
+
+
+def _rl_phase(run: RLRun, state: LearnerState, step: int, warm: dict[str, float]) -> tuple[LearnerState, int]:
+  """RL steps ``step .. max_steps``: step, guard against non-finite updates, evaluate, log, checkpoint."""
+  cfg = run.cfg
   every = cfg.checkpoint.checkpoint_every
   bar = tqdm.tqdm(total=cfg.run.max_steps, initial=step, desc="grpo", mininterval=1.0)
   while step < cfg.run.max_steps:
     state, (record, hist) = run.step(state, step)
     step += 1
     bar.update(1)
-    bad = record["skipped"] >= 1.0  # every update of the step had a non-finite loss or gradient
-    run.bad_steps = run.bad_steps + 1 if bad else 0
-    run.nonfinite_steps += int(bad)
-    if run.bad_steps >= cfg.checkpoint.max_bad_steps:
-      if run.rollbacks >= cfg.checkpoint.max_rollbacks:
-        bar.close()
-        raise RunAborted(
-          f"{run.bad_steps} consecutive non-finite steps at RL step {step} after {run.rollbacks} rollbacks "
-          f"(--max_rollbacks={cfg.checkpoint.max_rollbacks}): stopping. The last good checkpoint (RL step "
-          f"{run.last_good_step}) is intact; lower --learning_rate or raise --max_rollbacks and rerun to resume"
-        )
+    if _count_bad_step(run, record, step, bar):
       state, step = run.rollback(state, step)
       bar.reset(total=cfg.run.max_steps)
       bar.update(step)
       continue
-    if run.bad_steps == 0:
-      run.last_good_step = step
     if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < cfg.run.max_steps:
       record.update({f"eval/{k}": v for k, v in run.evaluate(state.params).items()})
     record.update(time_checkpoint_s=run.last_checkpoint_s, rollbacks=run.rollbacks, skipped_total=int(state.skipped))
@@ -871,7 +633,7 @@ def _train(run: RLRun, restored: Restored | None, t_start: float) -> dict[str, A
     if step % cfg.logging.log_every == 0:
       bar.set_postfix_str(format_progress(logged, PROGRESS_KEYS))
     stop = run.should_stop()
-    # The last step is saved after the final evaluation, below. A step whose update was non-finite is
+    # The last step is saved after the final evaluation. A step whose update was non-finite is
     # never saved: with --keep_last it would evict the last good checkpoint a rollback needs.
     saved = run.bad_steps == 0
     if ((every and step % every == 0) or stop) and step < cfg.run.max_steps and saved:
@@ -880,7 +642,45 @@ def _train(run: RLRun, restored: Restored | None, t_start: float) -> dict[str, A
       bar.close()
       raise Preempted(f"RL step {step}" if saved else f"RL step {run.last_good_step} (the last good step)")
   bar.close()
+  return state, step
 
+
+def _count_bad_step(run: RLRun, record: dict[str, Any], step: int, bar: Any) -> bool:
+  """Counts a step whose every update was non-finite; True when it is time to roll back.
+
+  Raises:
+    RunAborted: past ``--max_rollbacks`` (the last good checkpoint is intact).
+  """
+  cfg = run.cfg.checkpoint
+  bad = record["skipped"] >= 1.0
+  run.bad_steps = run.bad_steps + 1 if bad else 0
+  run.nonfinite_steps += int(bad)
+  if run.bad_steps == 0:
+    run.last_good_step = step
+  if run.bad_steps < cfg.max_bad_steps:
+    return False
+  if run.rollbacks >= cfg.max_rollbacks:
+    bar.close()
+    raise RunAborted(
+      f"{run.bad_steps} consecutive non-finite steps at RL step {step} after {run.rollbacks} rollbacks "
+      f"(--max_rollbacks={cfg.max_rollbacks}): stopping. The last good checkpoint (RL step "
+      f"{run.last_good_step}) is intact; lower --learning_rate or raise --max_rollbacks and rerun to resume"
+    )
+  return True
+
+
+def _finish(
+  run: RLRun,
+  state: LearnerState,
+  step: int,
+  warm: dict[str, float],
+  *,
+  restored: Restored | None,
+  t_start: float,
+  sft_s: float,
+) -> dict[str, Any]:
+  """The final evaluation, the last checkpoint and ``summary.json``."""
+  cfg = run.cfg
   final = run.evaluate(state.params)
   run.logger.log(cfg.run.max_steps + 1, {f"eval/{k}": v for k, v in final.items()})
   run.save("rl", step, state, cfg.run.max_steps + 1, warm)
@@ -901,10 +701,7 @@ def _train(run: RLRun, restored: Restored | None, t_start: float) -> dict[str, A
   }
   if run.sandbox is not None:
     summary["sandbox"] = run.sandbox
-  tmp = summary_path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(summary, f, indent=2)
-  os.replace(tmp, summary_path)
+  run.dir.write_summary(summary)
   gain = 100 * (final["greedy_accuracy"] - warm["greedy_accuracy"])
   print(
     f"held-out greedy accuracy: warm-start {100 * warm['greedy_accuracy']:.1f}% -> "

@@ -14,7 +14,9 @@ import os
 import shutil
 from typing import Any
 
+from mimo_jax.ckpt import Checkpointer
 from mimo_jax.config_base import ConfigError
+from mimo_jax.train.logger import MetricsLogger
 
 LOCK_NAME = ".lock"
 # What makes two runs the same run: a resume with any of these changed would train another model.
@@ -124,3 +126,89 @@ def write_atomic(path: str, text: str) -> None:
   with open(tmp, "w") as f:
     f.write(text)
   os.replace(tmp, path)
+
+
+class RunDir:
+  """Every file of one run, owned in one place.
+
+  ``<path>/`` holds ``config.json`` (the configuration, plus the machine's sandbox record for
+  tasks that run code), ``metrics.jsonl`` and ``tensorboard/`` (the logger), ``checkpoints/``
+  and ``reference/`` (Orbax), ``summary.json`` (written once, when the run completes) and
+  ``.lock`` (held by the one live trainer).  The trainer reaches these files only through this
+  object; readers (evaluation, export) open checkpoints read-only and never delete anything.
+
+  Args:
+    path: the run directory (created on first write).
+  """
+
+  CONFIG = "config.json"
+  METRICS = "metrics.jsonl"
+  SUMMARY = "summary.json"
+  CHECKPOINTS = "checkpoints"
+  REFERENCE = "reference"
+
+  def __init__(self, path: str):
+    self.path = path
+
+  def file(self, name: str) -> str:
+    """The path of one of the run's files (e.g. ``RunDir.SUMMARY``)."""
+    return os.path.join(self.path, name)
+
+  # ---- ownership ----------------------------------------------------------------------------
+
+  def lock(self) -> RunDirLock:
+    """Takes the directory's exclusive lock (for the trainer's life; raises :class:`RunDirInUse`)."""
+    return RunDirLock(self.path)
+
+  def claim(self, config: dict[str, Any], *, overwrite: bool) -> None:
+    """Refuses a directory holding another configuration's run unless ``overwrite`` (which clears it first).
+
+    Args:
+      config: the new run's ``Config.to_dict()``.
+      overwrite: ``--overwrite``.
+
+    Raises:
+      ConfigError: the directory's run differs in an :data:`IDENTITY` setting, naming each one.
+    """
+    previous = read_config(self.path)
+    if overwrite:
+      clear(self.path)
+    elif previous is not None:
+      mismatches = identity_mismatches(previous, config)
+      if mismatches:
+        raise ConfigError(
+          f"--run_dir={self.path} holds another configuration's run ({'; '.join(mismatches)}); resuming would "
+          "train another model. Pass --overwrite to replace it, or choose another --run_dir"
+        )
+
+  # ---- files --------------------------------------------------------------------------------
+
+  def read_config(self) -> dict[str, Any] | None:
+    return read_config(self.path)
+
+  def write_config(self, config: dict[str, Any], *, sandbox: dict[str, Any] | None = None) -> None:
+    """Replaces ``config.json`` atomically (see :func:`config_json`)."""
+    os.makedirs(self.path, exist_ok=True)
+    write_atomic(self.file(self.CONFIG), config_json(config, sandbox=sandbox))
+
+  def read_summary(self) -> dict[str, Any] | None:
+    """The completed run's ``summary.json`` (None before the run completes)."""
+    if not os.path.exists(self.file(self.SUMMARY)):
+      return None
+    with open(self.file(self.SUMMARY)) as f:
+      return json.load(f)
+
+  def write_summary(self, summary: dict[str, Any]) -> None:
+    write_atomic(self.file(self.SUMMARY), json.dumps(summary, indent=2))
+
+  def checkpointer(self, **options: Any) -> Checkpointer:
+    """The run's checkpoints (``checkpoints/``); ``options`` go to :class:`~mimo_jax.ckpt.Checkpointer`."""
+    return Checkpointer(self.file(self.CHECKPOINTS), **options)
+
+  def reference_checkpointer(self) -> Checkpointer:
+    """The frozen reference policy, saved once at the SFT -> RL transition (``reference/``)."""
+    return Checkpointer(self.file(self.REFERENCE), keep_last=1, async_save=False)
+
+  def logger(self, *, tensorboard: bool, keep_through: int | None) -> MetricsLogger:
+    """The metrics logger (``metrics.jsonl``, ``tensorboard/``), truncated past ``keep_through`` on a resume."""
+    return MetricsLogger(self.path, tensorboard=tensorboard, keep_through=keep_through)
