@@ -136,8 +136,10 @@ class AlgoConfig:
   kl_target: float = field(0.02, "KL target of the adaptive controller (the final budget for 'budget').", gt=0)
   kl_budget_start: float = field(0.1, "The budget controller's initial (loose) KL target.", gt=0)
   kl_horizon: float = field(10000.0, "Adaptive KL controller horizon in samples (larger reacts slower).", gt=0)
-  kl_coef_min: float = field(0.05, "Lower bound of the controlled KL coefficient.", gt=0)
-  kl_coef_max: float = field(0.5, "Upper bound of the controlled KL coefficient.", gt=0)
+  kl_coef_min: float = field(
+    1e-4, "Lower bound of the controlled KL coefficient (the default --kl_coef=0.001 lies inside).", gt=0
+  )
+  kl_coef_max: float = field(1.0, "Upper bound of the controlled KL coefficient.", gt=0)
   # ---- entropy
   entropy_controller: str = field(
     "fixed", "Entropy coefficient controller: fixed, or adaptive toward --entropy_target.", choices=ENTROPY_CONTROLLERS

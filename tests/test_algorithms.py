@@ -241,6 +241,8 @@ def test_logged_rewards_stay_raw_under_shaping(tmp_path):
     # The advantage path saw the shaped rewards: overlong penalty applied, EMA standardised.
     assert record["overlong_penalty"] < 0
     assert record["shaped_reward_mean"] != pytest.approx(record["reward_mean"])
+    # --kl_coef=0: no reference, so no KL to it is measured (it would be against zero log-probs).
+    assert not [k for k in record if k.startswith("kl_prompt")], record
   run.close()
 
 

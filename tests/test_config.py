@@ -240,3 +240,18 @@ def test_main_reports_bad_flagfile_without_traceback(tmp_path, capsys):
   assert main(["prog", f"--flagfile={path}"]) == 2
   err = capsys.readouterr().err
   assert err.startswith("error: --flagfile=") and "byte 13" in err and "Traceback" not in err
+
+
+def test_the_adaptive_kl_controller_accepts_the_default_coefficient_and_moves_it():
+  """The default --kl_coef (0.001) must lie inside the controller's default bounds, and move both ways."""
+  from mimo_jax.rl.controllers import adaptive_kl_coef
+
+  flagfile = os.path.join(ROOT, "experiments", "grpo_tiny.flags")
+  for controller in ("adaptive", "budget"):
+    cfg = parse_config(["prog", f"--flagfile={flagfile}", f"--kl_controller={controller}"])
+    validate(cfg, 8)
+    a = cfg.algo
+    assert a.kl_coef_min < a.kl_coef == 0.001 < a.kl_coef_max
+  up = adaptive_kl_coef(0.001, 1.0, target=0.02, n=128, horizon=1000, beta_min=a.kl_coef_min, beta_max=a.kl_coef_max)
+  down = adaptive_kl_coef(0.001, 0.0, target=0.02, n=128, horizon=1000, beta_min=a.kl_coef_min, beta_max=a.kl_coef_max)
+  assert float(down) < 0.001 < float(up)

@@ -391,8 +391,8 @@ class ControllerSettings:
   kl_target: float = 0.02
   kl_budget_start: float = 0.1
   kl_horizon: float = 10000.0
-  kl_coef_min: float = 0.05
-  kl_coef_max: float = 0.5
+  kl_coef_min: float = 1e-4
+  kl_coef_max: float = 1.0
   entropy_controller: str = "fixed"
   entropy_target: float = 0.5
   entropy_lr: float = 0.001

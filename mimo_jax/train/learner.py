@@ -176,6 +176,7 @@ def advantage_settings(cfg: Config) -> AdvantageSettings:
     reward_clip_low=a.reward_clip_low,
     reward_clip_high=a.reward_clip_high,
     kl_estimator=a.kl_estimator,
+    use_reference=uses_kl(cfg),
     gamma=a.gae_gamma,
     lam=a.gae_lambda,
   )
@@ -377,7 +378,8 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
       value_metrics = {**value_metrics, "value_passes": passes.astype(jnp.float32)}
     # ---- controllers
     nan = jnp.float32(jnp.nan)
-    kl = adv_metrics["kl_prompt_mean"]
+    # The KL to the reference (none without one: then no KL controller runs to read it).
+    kl = adv_metrics.get("kl_prompt_mean", jnp.zeros((), jnp.float32))
     if upd_settings.use_kl:
       kl = jnp.where(waiting, kl, train_metrics["kl_k3"])
     signals = StepSignals(

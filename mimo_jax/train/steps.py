@@ -229,6 +229,8 @@ class AdvantageSettings:
     shape_rewards: quantile-clip and EMA-standardise the rewards (advantage path only).
     reward_clip_low, reward_clip_high: the clipping quantiles.
     kl_estimator: estimator of the per-token KL used in the reward and in the metrics' tails.
+    use_reference: whether there is a reference policy; without one the reference log-probs are
+      zeros, so no KL to it is computed or logged (``kl_prompt_*`` would measure against zeros).
     gamma, lam: GAE discount and lambda.
   """
 
@@ -241,6 +243,7 @@ class AdvantageSettings:
   reward_clip_low: float = 0.0
   reward_clip_high: float = 1.0
   kl_estimator: str = "k1"
+  use_reference: bool = True
   gamma: float = 0.99
   lam: float = 0.95
 
@@ -350,8 +353,9 @@ def make_advantage_fn(settings: AdvantageSettings):
       adv_abs_mean=masked_mean(jnp.abs(adv), loss_mask),
       frac_groups_all_equal=jnp.mean(jnp.all(grouped == grouped[:, :1], axis=1)),
       shaped_reward_mean=jnp.mean(rewards),
-      **_per_prompt_kl_tail(inputs.old_logprobs, inputs.ref_logprobs, mask, s.group_size),
     )
+    if s.use_reference:
+      metrics.update(_per_prompt_kl_tail(inputs.old_logprobs, inputs.ref_logprobs, mask, s.group_size))
     return AdvantageOutput(advantages=adv, returns=returns, loss_mask=loss_mask), ctl, metrics
 
   return jax.jit(advantages)
