@@ -82,7 +82,7 @@ def _cfg(tmp_path, *extra):
     (["--advantage=grpo", "--num_samples=1"], "--num_samples=1: group advantages"),
     (["--advantage=gae", "--use_value_model", "--dynamic_sampling"], "--dynamic_sampling=True: drops all-equal"),
     (["--advantage=reinforce_baseline", "--num_samples=1", "--dynamic_sampling"], "--dynamic_sampling=True: needs"),
-    (["--kl_controller=adaptive", "--kl_coef=0.001"], "--kl_coef=0.001: a controlled coefficient starts inside"),
+    (["--kl_controller=adaptive", "--kl_coef=2"], "--kl_coef=2.0: a controlled coefficient starts inside"),
     (["--kl_controller=budget", "--kl_coef=0"], "--kl_controller='budget': needs a reference"),
     (["--phase_fracs=0.2,0.7,0.2"], "--phase_fracs='0.2,0.7,0.2': 3 fractions > 0 summing to 1"),
     (["--phase_smoothing=0.9,0.95"], "--phase_smoothing='0.9,0.95': expected 3"),
