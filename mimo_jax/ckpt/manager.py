@@ -112,7 +112,8 @@ class Checkpointer:
       # save may be a live trainer's save in progress.
       if not os.path.isdir(self.directory):
         raise FileNotFoundError(f"{self.directory}: no checkpoints directory")
-      options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None)
+      # save_interval_steps=0: what Orbax forces for a reader anyway (it warns on every open otherwise).
+      options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None, save_interval_steps=0)
     else:
       os.makedirs(self.directory, exist_ok=True)
       self._remove_partial_saves()
