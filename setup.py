@@ -27,7 +27,8 @@ EXTRAS = {
   # Hugging Face tokenizer.json support (Llama-3 / Qwen tokenizers).
   "hf": ["tokenizers>=0.22"],
   # Oracles for tests and conversion: transformers on CPU torch (pin the CPU wheel).
-  "test": ["pytest>=8", "ruff>=0.6", "torch==2.13.0", "transformers==5.24.0", "tokenizers>=0.22"],
+  # sympy: the math reward's symbolic-equivalence tests (also a dependency of torch; named so they never skip).
+  "test": ["pytest>=8", "ruff>=0.6", "torch==2.13.0", "transformers==5.24.0", "tokenizers>=0.22", "sympy>=1.12"],
   "gpu": [f"jax[cuda12]=={JAX_VERSION}"],
   "tpu": [f"jax[tpu]=={JAX_VERSION}"],
 }
