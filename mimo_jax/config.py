@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from typing import Any
 
-from mimo_jax.config_base import ConfigError, check, check_fields, field
+from mimo_jax.config_base import ConfigError, check, check_fields, field, format_list
 from mimo_jax.models.config import PRESETS, REMAT_POLICIES, ModelConfig, get_preset
+from mimo_jax.rl.advantages import ADVANTAGE_ESTIMATORS, ADVANTAGES
 from mimo_jax.rl.controllers import ENTROPY_CONTROLLERS, KL_CONTROLLERS, OVERLONG_MODES
+from mimo_jax.rl.importance import IS_CORRECTIONS
+from mimo_jax.rl.kl import KL_ESTIMATORS
+from mimo_jax.rl.losses import AGGREGATIONS, POLICY_LOSSES
 from mimo_jax.sharding import MeshConfig, validate_model_on_mesh
 
 DTYPE_CHOICES = ("", "float32", "bfloat16", "float16")
@@ -28,18 +31,6 @@ def parse_int_list(name: str, text: str) -> tuple[int, ...]:
   except ValueError:
     raise ConfigError(f"--{name}={text!r}: expected a comma-separated list of integers") from None
   check(len(values) > 0 and all(v > 0 for v in values), name, text, "expected positive integers")
-  return values
-
-
-def parse_float_list(name: str, text: str, length: int | None = None) -> tuple[float, ...]:
-  """Parses ``"0.1,0.7,0.2"`` into floats; raises ConfigError naming the flag."""
-  try:
-    values = tuple(float(v) for v in text.split(",") if v.strip())
-  except ValueError:
-    raise ConfigError(f"--{name}={text!r}: expected a comma-separated list of numbers") from None
-  check(all(math.isfinite(v) for v in values), name, text, "expected finite numbers (no inf or nan)")
-  if length is not None:
-    check(len(values) == length, name, text, f"expected {length} comma-separated numbers")
   return values
 
 
@@ -80,7 +71,9 @@ class RolloutConfig:
   """Generation: buckets, lengths and sampling parameters."""
 
   num_samples: int = field(8, "Samples per prompt (the GRPO group size G).", ge=1)
-  prompt_buckets: str = field("32,64,128", "Comma-separated prompt bucket lengths (prompts are left-padded to one).")
+  prompt_buckets: tuple[int, ...] = field(
+    (32, 64, 128), "Comma-separated prompt bucket lengths (prompts are left-padded to one).", items=int, gt=0
+  )
   max_new_tokens: int = field(64, "Maximum completion length (static; completions are padded to it).", ge=1)
   temperature: float = field(1.0, "Sampling temperature at the start of training (0: greedy).", ge=0)
   temperature_final: float = field(
@@ -88,34 +81,62 @@ class RolloutConfig:
   )
   top_p: float = field(1.0, "Nucleus sampling mass (1: off).", gt=0, le=1)
   top_k: int = field(0, "Top-k sampling (0: off).", ge=0)
+  # ---- async rollout
+  async_rollout: bool = field(
+    False,
+    "Generate in a producer thread that runs ahead of the learner by at most --max_staleness policy versions "
+    "(batch b is generated with exactly the policy of step b - K).",
+  )
+  max_staleness: int = field(
+    -1, "Policy versions a batch may lag the step that trains on it (-1: 1 with --async_rollout).", ge=0, also=(-1,)
+  )
+  rollout_devices: int = field(
+    0,
+    "Devices that generate (the first K of the global mesh; the rest learn); 0: generation shares every "
+    "device and the overlap is of host work (decoding, rewards) and dispatch.",
+    ge=0,
+  )
 
   def __post_init__(self):
     check_fields(self)
-    parse_int_list("prompt_buckets", self.prompt_buckets)
+    check(
+      self.async_rollout or self.max_staleness < 0,
+      "max_staleness",
+      self.max_staleness,
+      "bounds the lag of --async_rollout; set --async_rollout (a synchronous run is never stale)",
+    )
+    check(
+      self.async_rollout or self.rollout_devices == 0,
+      "rollout_devices",
+      self.rollout_devices,
+      "a rollout sub-mesh needs --async_rollout",
+    )
+
+  @property
+  def staleness(self) -> int:
+    """The staleness bound in effect: 0 for a synchronous run."""
+    if not self.async_rollout:
+      return 0
+    return 1 if self.max_staleness < 0 else self.max_staleness
 
   @property
   def buckets(self) -> tuple[int, ...]:
-    return tuple(sorted(parse_int_list("prompt_buckets", self.prompt_buckets)))
+    """The prompt bucket lengths, shortest first."""
+    return tuple(sorted(self.prompt_buckets))
 
 
 @dataclasses.dataclass(frozen=True)
 class AlgoConfig:
   """The RL algorithm: advantage estimator, policy loss, KL and entropy terms."""
 
-  advantage: str = field(
-    "grpo", "Advantage estimator.", choices=("grpo", "drgrpo", "rloo", "reinforce_baseline", "gae")
-  )
-  policy_loss: str = field("ppo", "Policy loss.", choices=("ppo", "gspo", "cispo"))
-  loss_agg: str = field(
-    "token-mean",
-    "Loss aggregation.",
-    choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
-  )
+  advantage: str = field("grpo", "Advantage estimator.", choices=ADVANTAGES)
+  policy_loss: str = field("ppo", "Policy loss.", choices=tuple(POLICY_LOSSES))
+  loss_agg: str = field("token-mean", "Loss aggregation.", choices=tuple(AGGREGATIONS))
   clip_low: float = field(0.2, "PPO lower clip epsilon (ratio >= 1 - clip_low).", ge=0, lt=1)
   clip_high: float = field(0.28, "PPO upper clip epsilon (clip-higher: ratio <= 1 + clip_high).", ge=0)
   clip_c: float = field(3.0, "Dual-clip constant for negative advantages (> 1).", gt=1)
   kl_coef: float = field(0.001, "Initial KL coefficient to the reference policy (0: no reference).", ge=0)
-  kl_estimator: str = field("k3", "KL estimator.", choices=("k1", "k2", "k3", "abs"))
+  kl_estimator: str = field("k3", "KL estimator.", choices=tuple(KL_ESTIMATORS))
   entropy_coef: float = field(0.0, "Entropy bonus coefficient.", ge=0)
   ppo_epochs: int = field(1, "Passes over each rollout batch.", ge=1)
   num_minibatches: int = field(1, "Minibatches per pass.", ge=1)
@@ -161,12 +182,20 @@ class AlgoConfig:
   overlong_buffer: int = field(4, "Soft overlong penalty zone (tokens before the limit).", ge=1)
   # ---- phased schedule
   phase_schedule: bool = field(False, "Warm-up / main / fine-tune phases switched by the smoothed reward slope.")
-  phase_fracs: str = field("0.1,0.7,0.2", "Step budget fractions of the warm-up, main and fine-tune phases.")
+  phase_fracs: tuple[float, ...] = field(
+    (0.1, 0.7, 0.2), "Step budget fractions of the warm-up, main and fine-tune phases.", items=float, length=3, gt=0
+  )
   phase_slope_threshold: float = field(0.01, "Smoothed-reward slope below which the reward is flat.")
   phase_tolerance: int = field(20, "Consecutive flat steps that end a phase.", ge=1)
-  phase_smoothing: str = field("0.9,0.95,0.97", "Reward-smoothing EMA decay per phase (rising).")
-  phase_clip_mults: str = field("1.5,1.0,0.75", "PPO clip range multiplier per phase (loose, then tightening).")
-  phase_kl_mults: str = field("1.0,1.0,2.0", "KL coefficient multiplier per phase (raised in fine-tune).")
+  phase_smoothing: tuple[float, ...] = field(
+    (0.9, 0.95, 0.97), "Reward-smoothing EMA decay per phase (rising).", items=float, length=3, ge=0, lt=1
+  )
+  phase_clip_mults: tuple[float, ...] = field(
+    (1.5, 1.0, 0.75), "PPO clip range multiplier per phase (loose, then tightening).", items=float, length=3, ge=0
+  )
+  phase_kl_mults: tuple[float, ...] = field(
+    (1.0, 1.0, 2.0), "KL coefficient multiplier per phase (raised in fine-tune).", items=float, length=3, ge=0
+  )
   # ---- value model (PPO)
   value_learning_rate: float = field(1e-4, "Value model peak learning rate (its own optimizer).", gt=0)
   gae_gamma: float = field(0.99, "GAE discount.", gt=0, le=1)
@@ -182,6 +211,15 @@ class AlgoConfig:
   value_fast_drop: float = field(
     0.2, "Relative value-loss drop over the window that counts as 'falling fast'.", gt=0, lt=1
   )
+  # ---- off-policy correction (async rollout's stale samples, sampler/learner mismatch)
+  is_correction: str = field(
+    "auto",
+    "Importance correction of the gap between the sampling policy and the learner's: none, tis (token-level "
+    "truncated), mis (sequence-level masked), decoupled (decoupled PPO); auto: decoupled when samples can "
+    "be stale (--async_rollout with --max_staleness > 0), none otherwise.",
+    choices=("auto", *IS_CORRECTIONS),
+  )
+  is_clip: float = field(2.0, "Threshold C of the importance correction (weights truncated at / masked above C).", ge=1)
   # ---- DAPO dynamic sampling
   dynamic_sampling: bool = field(False, "Drop groups whose rewards are all equal and refill with fresh prompts.")
   dynamic_sampling_max_rounds: int = field(3, "Most extra generation rounds per step to refill the batch.", ge=0)
@@ -214,21 +252,11 @@ class AlgoConfig:
         self.kl_coef,
         f"a controlled coefficient starts inside [kl_coef_min, kl_coef_max] = [{self.kl_coef_min}, {self.kl_coef_max}]",
       )
-    fracs = parse_float_list("phase_fracs", self.phase_fracs, 3)
     check(
-      all(f > 0 for f in fracs) and abs(sum(fracs) - 1) < 1e-6,
+      abs(sum(self.phase_fracs) - 1) < 1e-6,
       "phase_fracs",
-      self.phase_fracs,
+      format_list(self.phase_fracs),
       "3 fractions > 0 summing to 1",
-    )
-    for name in ("phase_smoothing", "phase_clip_mults", "phase_kl_mults"):
-      values = parse_float_list(name, getattr(self, name), 3)
-      check(all(v >= 0 for v in values), name, getattr(self, name), "must be >= 0")
-    check(
-      all(v < 1 for v in parse_float_list("phase_smoothing", self.phase_smoothing, 3)),
-      "phase_smoothing",
-      self.phase_smoothing,
-      "EMA decays must be in [0, 1)",
     )
     check(
       self.value_min_updates <= self.value_updates <= self.value_max_updates,
@@ -288,7 +316,9 @@ class DataConfig:
   tokenizer_path: str = field("", "Tokenizer (.model, tokenizer.json or an HF directory); empty: built-in.")
   prompts_per_step: int = field(8, "Prompts per training step (each sampled num_samples times).", ge=1)
   eval_prompts: int = field(64, "Held-out prompts per evaluation.", ge=0)
-  arith_levels: str = field("1,2", "Difficulty levels of the built-in arithmetic task (comma-separated).")
+  arith_levels: tuple[int, ...] = field(
+    (1, 2), "Difficulty levels of the built-in arithmetic task (comma-separated).", items=int, ge=1, le=4
+  )
   arith_reverse: bool = field(False, "Built-in arithmetic: answers written least-significant digit first.")
   sft_batch_size: int = field(32, "Demonstrations per supervised warm-start step.", ge=1)
   sft_wrong_fraction: float = field(
@@ -320,20 +350,17 @@ class DataConfig:
   reward_model_weight: float = field(1.0, "Weight of the reward-model component.", ge=0)
   reward_hacking_probe: bool = field(False, "Code tasks: track completions a naive checker would pass (logged only).")
   curriculum: bool = field(False, "Prefer prompts whose pass rate is in --curriculum_band (from a larger pool).")
-  curriculum_band: str = field("0.4,0.7", "Target pass-rate band of the curriculum.")
+  curriculum_band: tuple[float, ...] = field(
+    (0.4, 0.7), "Target pass-rate band of the curriculum (low,high).", items=float, length=2, ge=0, le=1
+  )
   curriculum_pool: int = field(256, "Candidate prompts the curriculum chooses from (refreshed from the task).", ge=1)
 
   def __post_init__(self):
     check_fields(self)
-    band = parse_float_list("curriculum_band", self.curriculum_band, 2)
+    low, high = self.curriculum_band
     check(
-      0 <= band[0] < band[1] <= 1,
-      "curriculum_band",
-      self.curriculum_band,
-      "expected low,high with 0 <= low < high <= 1",
+      low < high, "curriculum_band", format_list(self.curriculum_band), "expected low,high with 0 <= low < high <= 1"
     )
-    levels = parse_int_list("arith_levels", self.arith_levels)
-    check(all(1 <= v <= 4 for v in levels), "arith_levels", self.arith_levels, "levels are 1..4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,12 +420,12 @@ class RunConfig:
   eval_samples: int = field(8, "Samples per held-out prompt for pass@k (k = 1 and this number).", ge=1)
   eval_temperature: float = field(1.0, "Sampling temperature of the pass@k evaluation.", gt=0)
   dry_run: bool = field(False, "Build and AOT-compile everything abstractly, print memory, exit.")
-  debug_nan_steps: str = field("", "Fault injection for tests: RL steps (comma-separated) whose advantages are NaN.")
+  debug_nan_steps: tuple[int, ...] = field(
+    (), "Fault injection for tests: RL steps (comma-separated) whose advantages are NaN.", items=int, ge=1, min_length=0
+  )
 
   def __post_init__(self):
     check_fields(self)
-    if self.debug_nan_steps:
-      parse_int_list("debug_nan_steps", self.debug_nan_steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,16 +472,10 @@ def validate(cfg: Config, num_devices: int) -> None:
   if not cfg.model.hf_checkpoint:
     validate_model_on_mesh(cfg.model.model_config(), cfg.mesh, num_devices)
   check(
-    cfg.algo.advantage not in ("grpo", "drgrpo", "rloo") or cfg.rollout.num_samples >= 2,
+    cfg.algo.advantage not in ADVANTAGE_ESTIMATORS or cfg.rollout.num_samples >= 2,
     "num_samples",
     cfg.rollout.num_samples,
     f"group advantages ({cfg.algo.advantage}) need at least 2 samples per prompt",
-  )
-  check(
-    not cfg.algo.dynamic_sampling or cfg.rollout.num_samples >= 2,
-    "dynamic_sampling",
-    cfg.algo.dynamic_sampling,
-    "needs groups: --num_samples >= 2",
   )
   check(
     cfg.algo.overlong != "penalty" or cfg.algo.overlong_buffer < cfg.rollout.max_new_tokens,
@@ -468,6 +489,14 @@ def validate(cfg: Config, num_devices: int) -> None:
     cfg.optim.warmup_steps,
     "the phase schedule shapes the learning rate itself (warm-up ramp, cosine, fine-tune); set --warmup_steps=0",
   )
+  r = cfg.rollout
+  if r.rollout_devices:
+    check(
+      r.rollout_devices < num_devices,
+      "rollout_devices",
+      r.rollout_devices,
+      f"must leave devices to learn on: fewer than the {num_devices} devices",
+    )
   batch = cfg.data.prompts_per_step * cfg.rollout.num_samples
   check(
     batch % cfg.algo.num_minibatches == 0,

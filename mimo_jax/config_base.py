@@ -3,6 +3,9 @@
 Every config field that a user can set carries its own documentation (``help``) and,
 for closed sets of values, its allowed ``choices``; numeric fields carry their allowed
 range (``gt``/``ge``/``lt``/``le`` bounds plus optional sentinel values ``also``).
+List-valued settings are tuples (``items=int`` or ``items=float``, optionally of a fixed
+``length``), with the range applying to every element; a command line or a ``config.json``
+turns into them once, through :func:`coerce_value`, where it is read.
 ``mimo_jax/main.py`` turns these fields into absl flags; everything below ``main.py``
 only sees the dataclasses.  :func:`check_fields` checks every declared choice and range
 in one place, and refuses non-finite floats (``inf``, ``-inf``, ``nan``) in every float
@@ -112,6 +115,9 @@ def field(
   lt: float | None = None,
   le: float | None = None,
   also: Sequence[float] = (),
+  items: type | None = None,
+  length: int | None = None,
+  min_length: int = 1,
 ):
   """A documented dataclass field.
 
@@ -125,6 +131,10 @@ def field(
     lt: numeric fields: the value must be less than this.
     le: numeric fields: the value must be at most this.
     also: numeric fields: sentinel values allowed outside the bounds (e.g. ``-1``: off).
+    items: list-valued fields: the element type (``int`` or ``float``); the default is a
+      tuple and every bound applies to each element.
+    length: list-valued fields: the exact number of elements (None: any).
+    min_length: list-valued fields: the fewest elements (0 allows the empty tuple).
 
   Returns:
     A ``dataclasses.field`` with the documentation and the allowed range in its metadata.
@@ -134,7 +144,15 @@ def field(
     "choices": tuple(choices) if choices is not None else None,
     "flag": flag,
     "range": make_range(gt=gt, ge=ge, lt=lt, le=le, also=also),
+    "items": items,
+    "length": length,
+    "min_length": min_length,
   }
+  if items is not None:
+    if items not in (int, float):
+      raise TypeError(f"list-valued fields hold int or float elements, not {items}")
+    if not isinstance(default, tuple):
+      raise TypeError(f"a list-valued field's default is a tuple, got {default!r}")
   return dataclasses.field(default=default, metadata=meta)
 
 
@@ -194,9 +212,86 @@ def check_fields(cfg: Any) -> None:
   """
   for f in dataclasses.fields(cfg):
     value = getattr(cfg, f.name)
+    if f.metadata.get("items") is not None:
+      check_list(f, value)
+      continue
     choices = f.metadata.get("choices")
     if choices:
       check_choice(f.name, value, choices)
     allowed = field_range(f)
     if allowed is not None or isinstance(f.default, float):
       check_number(f.name, value, allowed)
+
+
+def format_list(values: Sequence[Any]) -> str:
+  """A list-valued setting as written on a command line: ``(32, 64)`` -> ``"32,64"``."""
+  return ",".join(str(v) for v in values)
+
+
+def _length_requirement(f: dataclasses.Field) -> str:
+  length, min_length = f.metadata.get("length"), f.metadata.get("min_length", 1)
+  if length is not None:
+    return f"exactly {length}"
+  return f"at least {min_length}" if min_length else "any number of"
+
+
+def check_list(f: dataclasses.Field, value: Any) -> None:
+  """Checks a list-valued field: a tuple of its element type, of the declared length, each element in range.
+
+  Raises:
+    ConfigError: naming the flag, the value (as written on a command line) and what is allowed.
+  """
+  items, length, min_length = f.metadata["items"], f.metadata.get("length"), f.metadata.get("min_length", 1)
+  kind = "integers" if items is int else "numbers"
+  if not isinstance(value, tuple) or not all(_is_item(v, items) for v in value):
+    raise ConfigError(f"--{f.name}={value!r}: expected a tuple of {kind}")
+  shown = format_list(value)
+  if (length is not None and len(value) != length) or len(value) < min_length:
+    raise ConfigError(f"--{f.name}={shown!r}: expected {_length_requirement(f)} comma-separated {kind}")
+  allowed = field_range(f)
+  for v in value:
+    if not math.isfinite(v):
+      raise ConfigError(f"--{f.name}={shown!r}: expected finite numbers (no inf or nan)")
+    if allowed is not None and not allowed.contains(v):
+      raise ConfigError(f"--{f.name}={shown!r}: every element must be {allowed.describe()}")
+
+
+def _is_item(v: Any, items: type) -> bool:
+  if isinstance(v, bool):
+    return False
+  return isinstance(v, int) if items is int else isinstance(v, (int, float))
+
+
+def parse_list(f: dataclasses.Field, text: str) -> tuple[Any, ...]:
+  """Parses a list-valued field's command-line text (``"64,128"``) into its tuple; checks nothing else.
+
+  Raises:
+    ConfigError: an element that is not a number of the field's type, naming the flag.
+  """
+  items = f.metadata["items"]
+  kind = "integers" if items is int else "numbers"
+  try:
+    return tuple(items(v) for v in text.split(",") if v.strip())
+  except ValueError:
+    raise ConfigError(f"--{f.name}={text!r}: expected a comma-separated list of {kind}") from None
+
+
+def coerce_value(f: dataclasses.Field, value: Any) -> Any:
+  """A field's value as read from a command line or a ``config.json``, in the field's own type.
+
+  List-valued fields accept their command-line text (``"1,2"``, also what ``config.json``
+  held before these settings were tuples) or a JSON list; float fields accept integers.
+  Anything else is returned unchanged, for the field's checks to judge.
+  """
+  items = f.metadata.get("items")
+  if items is not None:
+    if isinstance(value, str):
+      return parse_list(f, value)
+    if isinstance(value, list):
+      value = tuple(value)
+    if isinstance(value, tuple) and items is float:
+      value = tuple(float(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in value)
+    return value
+  if isinstance(f.default, float) and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  return value

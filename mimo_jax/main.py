@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from absl import flags
 
 from mimo_jax.config import CONCERN_CLASSES, Config, ConfigError, validate
-from mimo_jax.config_base import field_range
+from mimo_jax.config_base import coerce_value, field_range, format_list
 
 _UTF8_BOM = b"\xef\xbb\xbf"
 
@@ -35,10 +35,17 @@ def define_flags(fv: flags.FlagValues) -> None:
         continue
       help_text = f"[{concern}] {f.metadata.get('help', '')}"
       allowed = field_range(f)
-      if allowed is not None:
+      if f.metadata.get("items") is not None:
+        count = f.metadata.get("length")
+        kind = "integers" if f.metadata["items"] is int else "numbers"
+        help_text += f" {count or 'Comma-separated'} {kind}" + (" (comma-separated)" if count else "")
+        help_text += f", each {allowed.describe()}." if allowed is not None else "."
+      elif allowed is not None:
         help_text += f" Allowed: {allowed.describe()}."
       default, choices = f.default, f.metadata.get("choices")
-      if choices and all(isinstance(c, str) for c in choices):
+      if f.metadata.get("items") is not None:  # a tuple; parsed once, in config_from_flags
+        flags.DEFINE_string(f.name, format_list(default), help_text, flag_values=fv)
+      elif choices and all(isinstance(c, str) for c in choices):
         flags.DEFINE_enum(f.name, default, list(choices), help_text, flag_values=fv)
       elif isinstance(default, bool):
         flags.DEFINE_bool(f.name, default, help_text, flag_values=fv)
@@ -53,10 +60,16 @@ def define_flags(fv: flags.FlagValues) -> None:
 
 
 def config_from_flags(fv: flags.FlagValues) -> Config:
-  """Builds the Config from parsed flag values (each concern validates itself)."""
+  """Builds the Config from parsed flag values (each concern validates itself).
+
+  List-valued flags (``--prompt_buckets=32,64``) become tuples here, once; nothing below
+  ``main.py`` parses a setting's text.
+  """
   parts = {}
   for concern, cls in CONCERN_CLASSES.items():
-    kwargs = {f.name: fv[f.name].value for f in dataclasses.fields(cls) if f.metadata.get("flag", True)}
+    kwargs = {
+      f.name: coerce_value(f, fv[f.name].value) for f in dataclasses.fields(cls) if f.metadata.get("flag", True)
+    }
     parts[concern] = cls(**kwargs)
   return Config(**parts)
 

@@ -127,8 +127,10 @@ def test_every_declared_default_is_inside_its_range():
   for cls in CONCERN_CLASSES.values():
     for f in dataclasses.fields(cls):
       allowed = field_range(f)
+      values = f.default if f.metadata.get("items") is not None else (f.default,)
       if allowed is not None:
-        assert allowed.contains(f.default), (cls.__name__, f.name, f.default, allowed.describe())
+        for v in values:
+          assert allowed.contains(v), (cls.__name__, f.name, f.default, allowed.describe())
 
 
 @pytest.mark.parametrize(
@@ -255,3 +257,121 @@ def test_the_adaptive_kl_controller_accepts_the_default_coefficient_and_moves_it
   up = adaptive_kl_coef(0.001, 1.0, target=0.02, n=128, horizon=1000, beta_min=a.kl_coef_min, beta_max=a.kl_coef_max)
   down = adaptive_kl_coef(0.001, 0.0, target=0.02, n=128, horizon=1000, beta_min=a.kl_coef_min, beta_max=a.kl_coef_max)
   assert float(down) < 0.001 < float(up)
+
+
+# ---- list-valued settings are typed tuples, parsed once where flags are read
+
+
+LIST_FIELDS = [f for cls in CONCERN_CLASSES.values() for f in dataclasses.fields(cls) if f.metadata.get("items")]
+
+
+def test_there_are_list_fields():
+  assert {f.name for f in LIST_FIELDS} >= {"prompt_buckets", "arith_levels", "phase_fracs", "curriculum_band"}
+
+
+@pytest.mark.parametrize("f", LIST_FIELDS, ids=lambda f: f.name)
+def test_every_list_field_is_a_tuple_of_its_element_type(f):
+  items = f.metadata["items"]
+  assert isinstance(f.default, tuple)
+  assert all(type(v) is items for v in f.default), (f.name, f.default)
+
+
+def test_no_setting_is_comma_separated_text():
+  # A comma inside a text default means a list kept as text, to be re-parsed wherever it is
+  # read.  The one mapping-valued setting (JSONL field names) is parsed by its task.
+  texts = [
+    f.name
+    for cls in CONCERN_CLASSES.values()
+    for f in dataclasses.fields(cls)
+    if isinstance(f.default, str) and "," in f.default
+  ]
+  assert texts == ["jsonl_fields"]
+
+
+def test_list_flags_become_tuples_of_numbers():
+  cfg = parse_config(
+    ["prog", "--prompt_buckets=128,64", "--arith_levels=3", "--phase_fracs=0.2,0.6,0.2", "--debug_nan_steps=4,7"]
+  )
+  assert cfg.rollout.prompt_buckets == (128, 64) and cfg.rollout.buckets == (64, 128)
+  assert cfg.data.arith_levels == (3,)
+  assert cfg.algo.phase_fracs == (0.2, 0.6, 0.2) and all(type(v) is float for v in cfg.algo.phase_fracs)
+  assert cfg.run.debug_nan_steps == (4, 7)
+  assert parse_config(["prog"]).run.debug_nan_steps == ()
+  assert parse_config(["prog", "--curriculum_band=0,1"]).data.curriculum_band == (0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["--arith_levels=1,5"], "--arith_levels='1,5': every element must be in [1, 4]"),
+    (["--arith_levels="], "--arith_levels='': expected at least 1 comma-separated integers"),
+    (["--prompt_buckets=0,64"], "--prompt_buckets='0,64': every element must be > 0"),
+    (["--prompt_buckets=64.5"], "--prompt_buckets='64.5': expected a comma-separated list of integers"),
+    (["--curriculum_band=0.7,0.4"], "--curriculum_band='0.7,0.4': expected low,high with 0 <= low < high <= 1"),
+    (["--curriculum_band=0.4"], "--curriculum_band='0.4': expected exactly 2 comma-separated numbers"),
+    (["--phase_smoothing=0.9,1,0.9"], "--phase_smoothing='0.9,1.0,0.9': every element must be in [0, 1)"),
+    (["--phase_fracs=0.5,0.5,0.5"], "--phase_fracs='0.5,0.5,0.5': 3 fractions > 0 summing to 1"),
+    (["--debug_nan_steps=0"], "--debug_nan_steps='0': every element must be >= 1"),
+  ],
+)
+def test_bad_list_values_are_refused_naming_flag_and_rule(argv, message):
+  with pytest.raises(ConfigError) as e:
+    parse_config(["prog", *argv])
+  assert str(e.value) == message
+
+
+def test_direct_construction_refuses_text_for_a_list():
+  from mimo_jax.config import DataConfig
+
+  with pytest.raises(ConfigError, match=r"--arith_levels='1,2': expected a tuple of integers"):
+    DataConfig(arith_levels="1,2")
+
+
+def test_config_json_lists_and_old_text_both_read_back_as_tuples():
+  import json
+
+  from mimo_jax.eval.evaluator import config_from_dict
+
+  cfg = parse_config(["prog", "--arith_levels=2,3", "--prompt_buckets=16,32"])
+  d = json.loads(cfg.to_json())
+  assert d["data"]["arith_levels"] == [2, 3]
+  assert config_from_dict(d) == cfg
+  # A run directory written when these settings were text still reads (and resumes) as the same run.
+  d["data"]["arith_levels"], d["rollout"]["prompt_buckets"] = "2,3", "16,32"
+  assert config_from_dict(d) == cfg
+
+
+def test_a_resume_compares_list_identity_settings_by_value():
+  import json
+
+  from mimo_jax.train.rundir import identity_mismatches
+
+  cfg = parse_config(["prog", "--arith_levels=2,3"])
+  old_text = json.loads(cfg.to_json())
+  old_text["data"]["arith_levels"] = "2,3"
+  assert identity_mismatches(json.loads(cfg.to_json()), cfg.to_dict()) == []
+  assert identity_mismatches(old_text, cfg.to_dict()) == []
+  other = parse_config(["prog", "--arith_levels=1,2"]).to_dict()
+  assert identity_mismatches(old_text, other) == ["--arith_levels: (2, 3) -> (1, 2)"]
+
+
+# ---- method choices come from the registries that implement them
+
+
+def test_method_choices_are_the_registries():
+  from mimo_jax import rl
+  from mimo_jax.config import AlgoConfig
+
+  choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(AlgoConfig)}
+  assert choices["advantage"] == rl.ADVANTAGES == (*rl.ADVANTAGE_ESTIMATORS, "gae")
+  assert choices["policy_loss"] == tuple(rl.POLICY_LOSSES)
+  assert choices["loss_agg"] == tuple(rl.AGGREGATIONS)
+  assert choices["kl_estimator"] == tuple(rl.KL_ESTIMATORS)
+
+
+def test_every_group_estimator_refuses_one_sample_per_prompt():
+  from mimo_jax import rl
+
+  for name in rl.ADVANTAGE_ESTIMATORS:
+    with pytest.raises(ConfigError, match=rf"--num_samples=1: group advantages \({name}\)"):
+      validate(parse_config(["prog", f"--advantage={name}", "--num_samples=1"]), jax.device_count())

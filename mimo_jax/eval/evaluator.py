@@ -30,7 +30,7 @@ from flax import nnx
 from mimo_jax import sharding
 from mimo_jax.ckpt.manager import CheckpointCorrupted, Checkpointer
 from mimo_jax.config import CONCERN_CLASSES, RUN_RECORD_KEYS, Config
-from mimo_jax.config_base import ConfigError
+from mimo_jax.config_base import ConfigError, coerce_value
 from mimo_jax.eval.metrics import majority_at_k, pass_at_k
 from mimo_jax.models import ModelConfig, Transformer, abstract_state
 from mimo_jax.rewards.math import extract_answer, normalize_number
@@ -323,9 +323,7 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
     for name, f in fields.items():
       if name not in values:
         continue
-      value, expected = values[name], type(f.default)
-      if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+      value, expected = coerce_value(f, values[name]), type(f.default)
       if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
         wrong_type.append(f"{concern}.{name}={value!r} (expected {expected.__name__})")
         continue

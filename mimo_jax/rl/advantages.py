@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 __all__ = [
+  "ADVANTAGES",
   "ADVANTAGE_ESTIMATORS",
   "gae",
   "group_advantages",
@@ -218,6 +219,10 @@ ADVANTAGE_ESTIMATORS: Mapping[str, GroupEstimator] = {
   "rloo": _rloo,
   "reinforce_baseline": _reinforce_baseline,
 }
+#: Every advantage estimator a run can name: the group-relative ones (which need at least
+#: two samples per prompt; one sample is its own baseline, so its advantage is 0) and GAE
+#: (:func:`gae`, which needs a value model).
+ADVANTAGES: tuple[str, ...] = (*ADVANTAGE_ESTIMATORS, "gae")
 
 
 def _lookup(registry: Mapping[str, Callable], name: str, what: str) -> Callable:

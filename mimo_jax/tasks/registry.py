@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mimo_jax.config import DataConfig, parse_int_list
+from mimo_jax.config import DataConfig
 from mimo_jax.config_base import ConfigError
 from mimo_jax.rewards import sandbox_policy
 from mimo_jax.tasks import gsm8k, humaneval
@@ -81,7 +81,7 @@ def build_task(cfg: DataConfig, *, seed: int, hf_checkpoint: str = "") -> tuple[
   check_sandbox(cfg)
   if cfg.task == "arith":
     task = ArithTask(
-      levels=parse_int_list("arith_levels", cfg.arith_levels),
+      levels=cfg.arith_levels,
       seed=HELDOUT_SEED,
       heldout_size=max(cfg.eval_prompts, 1),
       reverse_answer=cfg.arith_reverse,

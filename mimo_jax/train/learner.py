@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from mimo_jax.config import Config, parse_float_list
+from mimo_jax.config import Config
 from mimo_jax.optim import TrainState, make_optimizer
 from mimo_jax.rl.controllers import (
   ControllerSettings,
@@ -39,6 +39,7 @@ from mimo_jax.rl.controllers import (
   init_controllers,
   update_controllers,
 )
+from mimo_jax.rl.importance import behaviour_gap, importance_weights
 from mimo_jax.train.steps import (
   AdvantageInputs,
   AdvantageSettings,
@@ -78,7 +79,8 @@ class Experience:
     temperature: float32 ``[B]``, the sampling temperature of each row.
     top_k: int32 ``[B]``, the top-k of each row (0: off).
     top_p: float32 ``[B]``, the top-p of each row (1: off).
-    policy_version: int32 ``[B]``, optimizer updates of the policy that generated each row.
+    policy_version: int32 ``[B]``, the learner version that generated each row: the RL steps its
+      weights had been trained through (the learner's staleness of a row is its step minus this).
     prompt_id: int32 ``[B]``, a stable 31-bit id of each row's prompt (from its content hash).
     batch_id: int32 ``[B]``, the generation batch each row came from.
   """
@@ -212,12 +214,12 @@ def controller_settings(cfg: Config) -> ControllerSettings:
     reward_clip_high=a.reward_clip_high,
     reward_ema=a.reward_ema,
     phased=a.phase_schedule,
-    phase_fracs=parse_float_list("phase_fracs", a.phase_fracs, 3),
+    phase_fracs=a.phase_fracs,
     phase_slope_threshold=a.phase_slope_threshold,
     phase_tolerance=a.phase_tolerance,
-    phase_smoothing=parse_float_list("phase_smoothing", a.phase_smoothing, 3),
-    phase_clip_mults=parse_float_list("phase_clip_mults", a.phase_clip_mults, 3),
-    phase_kl_mults=parse_float_list("phase_kl_mults", a.phase_kl_mults, 3),
+    phase_smoothing=a.phase_smoothing,
+    phase_clip_mults=a.phase_clip_mults,
+    phase_kl_mults=a.phase_kl_mults,
     grad_clip=cfg.optim.grad_clip,
     grad_clip_lr_linked=cfg.optim.grad_clip_mode == "lr_linked",
     value_window=max(a.value_window, 2),
@@ -225,6 +227,14 @@ def controller_settings(cfg: Config) -> ControllerSettings:
     value_max_updates=a.value_max_updates if a.value_window else a.value_updates,
     value_fast_drop=a.value_fast_drop,
   )
+
+
+def is_correction(cfg: Config) -> str:
+  """The importance correction in effect (``--is_correction=auto``: decoupled PPO when samples can be stale)."""
+  mode = cfg.algo.is_correction
+  if mode != "auto":
+    return mode
+  return "decoupled" if cfg.rollout.staleness > 0 else "none"
 
 
 def rl_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -315,6 +325,7 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
   values_of = make_value_fn(value_graphdef, mesh, micro_batches=micro) if use_value else None
   value_update = make_value_update_fn(mesh, value_settings(cfg)) if use_value else None
   warmup = a.value_warmup_steps
+  correction = is_correction(cfg)
 
   def learn(state: LearnerState, exp: Experience, step: jax.Array, poison: jax.Array):
     seqs = exp.sequences
@@ -335,6 +346,19 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
     )
     adv_out, controllers, adv_metrics = advantages(adv_in, state.controllers, coefs)
     adv = adv_out.advantages
+    # ---- the behaviour gap: rows drawn by the sampler (stale weights, its own numerics) vs the learner
+    weights, is_metrics = importance_weights(
+      old_logp, exp.sampler_logprobs, exp.completion_mask, mode=correction, clip=a.is_clip
+    )
+    if correction != "none":
+      adv = adv * weights
+    staleness = (step - exp.policy_version).astype(jnp.float32)
+    rollout_metrics = {
+      **is_metrics,
+      "sampler_learner_kl": behaviour_gap(old_logp, exp.sampler_logprobs, exp.completion_mask),
+      "staleness_mean": jnp.mean(staleness),
+      "staleness_max": jnp.max(staleness),
+    }
     adv = adv.at[0].set(jnp.where(poison, jnp.nan, adv[0]))
     batch = PolicyBatch(
       prompt_tokens=exp.prompt_tokens,
@@ -393,6 +417,7 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
     metrics = {
       "train": train_metrics,
       "advantage": adv_metrics,
+      "rollout": rollout_metrics,
       "value": value_metrics,
       "coefs": coefs,
       "base_lr": base_lr,

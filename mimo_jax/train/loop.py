@@ -25,7 +25,7 @@ from flax import nnx
 
 from mimo_jax import sharding
 from mimo_jax.ckpt.manager import abstract_like
-from mimo_jax.config import Config, parse_int_list
+from mimo_jax.config import Config
 from mimo_jax.config_base import ConfigError
 from mimo_jax.eval.evaluator import default_ks, eval_rows, evaluate_policy
 from mimo_jax.models import Transformer, ValueModel, create_sharded, load_hf
@@ -36,12 +36,19 @@ from mimo_jax.rollout import FINISH_LENGTH, Sampler
 from mimo_jax.rollout.encoding import encode_prompts, encode_targets
 from mimo_jax.tasks.registry import build_task, check_sandbox
 from mimo_jax.train import rundir
+from mimo_jax.train.async_rollout import AsyncRollout
 from mimo_jax.train.learner import LearnerState, build_learner, init_controller_state, uses_kl
 from mimo_jax.train.logger import MetricsLogger, format_progress
 from mimo_jax.train.rollout_worker import RolloutWorker, digest
 from mimo_jax.train.steps import SequenceBatch, make_sft_step
 
 PROGRESS_KEYS = ("reward_mean", "accuracy", "kl_k3", "entropy", "clipfrac", "grad_norm", "response_len", "value_loss")
+
+
+@jax.jit
+def _device_copy(params: Any) -> Any:
+  """The rollout side's own copy of published weights (the learner donates its buffers into the next step)."""
+  return jax.tree.map(jnp.copy, params)
 
 
 def resolve_run_dir(cfg: Config) -> str:
@@ -155,6 +162,12 @@ class RLRun:
     sampler = factory(nnx.merge(self.graphdef, self._init_params), self.mesh)
     # ---- the rollout side: prompts -> generation -> rewards -> Experience (host state only)
     self.worker = RolloutWorker(cfg, self.task, self.tokenizer, sampler, rewarder, loop_key)
+    # Async rollout: a producer thread owns the worker and runs up to --max_staleness versions ahead.
+    self.rollout: AsyncRollout | None = None
+    if cfg.rollout.async_rollout:
+      self.rollout = AsyncRollout(
+        self.worker, max_staleness=cfg.rollout.staleness, to_rollout=_device_copy, end=cfg.run.max_steps
+      )
     shards = sampler.batch_shards
     # Evaluation batches: a fixed number of prompts per call, a multiple of the batch shards.
     self.eval_rows = eval_rows(len(self.heldout), shards)
@@ -187,9 +200,7 @@ class RLRun:
     self.last_good_step = 0
     self.preempt_requested = False
     self.last_checkpoint_s = 0.0
-    self.nan_steps = (
-      set(parse_int_list("debug_nan_steps", cfg.run.debug_nan_steps)) if cfg.run.debug_nan_steps else set()
-    )
+    self.nan_steps = set(cfg.run.debug_nan_steps)
 
   @property
   def sampler(self) -> Any:
@@ -249,8 +260,9 @@ class RLRun:
       master=tree.get("master"),
     )
 
-  def _tree(self, state: TrainState | LearnerState) -> dict[str, Any]:
-    """The checkpointed arrays: the policy state, the controllers and the critic's state (RL), the loop key.
+  def _tree(self, state: TrainState | LearnerState, loop_key: np.ndarray | None = None) -> dict[str, Any]:
+    """The checkpointed arrays: the policy state, the controllers and the critic's state (RL), the loop key
+    (``loop_key``, default the worker's own).
 
     The frozen reference is saved once, beside (``<run_dir>/reference``)."""
     if isinstance(state, LearnerState):
@@ -259,7 +271,7 @@ class RLRun:
         tree["value"] = self._state_tree(state.value)
     else:
       tree = self._state_tree(state)
-    return {**tree, "loop_key": self.worker.key_data}
+    return {**tree, "loop_key": self.worker.key_data if loop_key is None else loop_key}
 
   def _from_tree(self, template: TrainState | LearnerState, tree: dict[str, Any]) -> TrainState | LearnerState:
     self.worker.load_host_state(loop_key=np.asarray(tree["loop_key"]))
@@ -271,9 +283,26 @@ class RLRun:
     policy = self._state_from_tree(template.policy, tree)
     return template.replace(policy=policy, controllers=tree["controllers"], value=value)
 
-  def _meta(self, phase: str, step: int, log_step: int, *, policy_version: int, with_data: bool) -> dict[str, Any]:
-    """Checkpoint metadata (``checkpoints_schema/checkpoint_meta.v1.json``)."""
-    rollout = self.worker.host_state(with_data=with_data)
+  def _rollout_state(self, phase: str, step: int) -> dict[str, Any]:
+    """The rollout side's host state a checkpoint of ``(phase, step)`` keeps.
+
+    While the async producer runs it is ahead of the learner: the state is its record from before
+    batch ``step`` (the oldest one not yet trained on), and later batches are pending.
+    """
+    if self.rollout is not None and self.rollout.running and phase == "rl":
+      return self.rollout.record_before(step)
+    return self.worker.host_state(with_data=True)
+
+  def _meta(
+    self, phase: str, step: int, log_step: int, *, policy_version: int, rollout: dict[str, Any] | None
+  ) -> dict[str, Any]:
+    """Checkpoint metadata (``checkpoints_schema/checkpoint_meta.v1.json``); ``rollout`` None: without the
+    rollout side's data state (the reference's metadata)."""
+    with_data = rollout is not None
+    rollout = rollout if rollout is not None else self.worker.host_state(with_data=False)
+    pending = []
+    if with_data and phase == "rl" and self.rollout is not None and self.rollout.running:
+      pending = self.rollout.pending(step)
     return {
       "phase": phase,
       "step": step,
@@ -294,18 +323,29 @@ class RLRun:
         "next_batch_id": step if phase == "rl" else 0,
         "policy_version": policy_version,
         "sampling_params_version": self.worker.sampling_version,
-        "batches": rollout["batches"] if phase == "rl" else [],
-        "pending": [],  # synchronous loop: every generated batch is trained on within its step
+        "batches": (rollout["batches"] + [self._pending_record(b) for b in pending]) if phase == "rl" else [],
+        # Generated (or being generated) but not trained on: regenerated from this checkpoint's rollout
+        # state on a resume (``train/async_rollout.py``). Always empty for a synchronous run.
+        "pending": pending,
       },
+    }
+
+  def _pending_record(self, batch_id: int) -> dict[str, Any]:
+    return {
+      "batch_id": batch_id,
+      "policy_version": self.rollout.version_for(batch_id),
+      "sampling_params_version": self.worker.sampling_version,
+      "status": "pending",
     }
 
   def save(self, phase: str, step: int, state: TrainState, log_step: int, warm: dict | None = None) -> None:
     """Commits the whole run state as checkpoint ``global_step(phase, step)``."""
     t0 = time.perf_counter()
-    meta = self._meta(phase, step, log_step, policy_version=int(state.step) if phase == "rl" else 0, with_data=True)
+    rollout = self._rollout_state(phase, step)
+    meta = self._meta(phase, step, log_step, policy_version=int(state.step) if phase == "rl" else 0, rollout=rollout)
     if warm is not None:
       meta["warm_start"] = warm
-    self.ckpt.save(self.global_step(phase, step), self._tree(state), meta)
+    self.ckpt.save(self.global_step(phase, step), self._tree(state, rollout["loop_key"]), meta)
     self.last_checkpoint_s = time.perf_counter() - t0
 
   def global_step(self, phase: str, step: int) -> int:
@@ -367,7 +407,8 @@ class RLRun:
       data_rng=meta["data_rng"],
       prompt_sampler=ctl.get("prompt_sampler"),
       reward=ctl.get("reward"),
-      batches=meta["buffer"]["batches"],
+      # Pending batches (async rollout) are regenerated; only the consumed ones are history.
+      batches=[b for b in meta["buffer"]["batches"] if b.get("status", "consumed") == "consumed"],
     )
 
   def _restore_reference(self, state: LearnerState) -> LearnerState:
@@ -395,6 +436,8 @@ class RLRun:
     return flag
 
   def close(self) -> None:
+    if self.rollout is not None:
+      self.rollout.stop()
     self.worker.rewarder.close()
     self.ckpt.close()
     self.ref_ckpt.close()
@@ -433,8 +476,14 @@ class RLRun:
 
   def evaluate(self, params) -> dict[str, float]:
     """Greedy accuracy, unbiased pass@k (k = 1, 8, ..., ``--eval_samples``) and maj@k on the held-out prompts."""
+    if self.rollout is not None and self.rollout.running:
+      # The producer shares the loop key stream and the sampler: the draw happens while it waits.
+      with self.rollout.paused() as worker:
+        return self._evaluate(params, worker.next_key())
+    return self._evaluate(params, self.worker.next_key())
+
+  def _evaluate(self, params, eval_key: jax.Array) -> dict[str, float]:
     cfg = self.cfg
-    eval_key = self.worker.next_key()
     return evaluate_policy(
       self.sampler,
       params,
@@ -462,7 +511,7 @@ class RLRun:
       # A reference left by a transition that was killed before RL step 0 committed is
       # rewritten (it is the same warm-started weights).
       self.ref_ckpt.delete_after(-1)
-      self.ref_ckpt.save(0, {"params": state.reference}, self._meta("rl", 0, 0, policy_version=0, with_data=False))
+      self.ref_ckpt.save(0, {"params": state.reference}, self._meta("rl", 0, 0, policy_version=0, rollout=None))
       self.ref_ckpt.wait()
     self.worker.update_params(state.params)
     self.save("rl", 0, state, 0, warm)
@@ -475,10 +524,17 @@ class RLRun:
     """
     cfg = self.cfg
     t0 = time.perf_counter()
-    # The policy version, read while nothing is in flight (the previous step ended with its metrics fetch).
-    policy_version = int(jax.device_get(state.step))
-    # ---- rollout: generate -> decode -> reward (host), with dynamic sampling when on
-    batch = self.worker.produce(step, policy_version)
+    # ---- rollout: generate -> decode -> reward (host), with dynamic sampling when on. Versions count
+    # RL steps: the policy entering step ``step`` is version ``step``.
+    if self.rollout is None:
+      batch = self.worker.produce(step, step)
+    else:
+      if self.rollout.running:
+        self.rollout.publish(step, state.params)
+      else:  # the first RL step of this process, or the first after a rollback
+        self.rollout.start(step, step, state.params)
+      idle0 = self.rollout.rollout_idle_s
+      batch = self.rollout.get(step)
     rollout, rewards, gen_stats, temperature = batch.rollout, batch.rewards, batch.stats, batch.temperature
     jax.block_until_ready(rollout)
     t1 = time.perf_counter()
@@ -486,9 +542,18 @@ class RLRun:
     poison = step in self.nan_steps  # fault injection (--debug_nan_steps): NaN advantages on row 0
     self.nan_steps.discard(step)
     state, metrics = self.learner.learn(state, batch.experience, jnp.int32(step), jnp.bool_(poison))
-    self.worker.update_params(state.params)
+    if self.rollout is None:
+      self.worker.update_params(state.params)
     metrics, lengths, finish = jax.device_get((metrics, rollout.lengths, rollout.finish_reason))
     t2 = time.perf_counter()
+    if self.rollout is None:  # each side waits for the other the whole time the other runs
+      idle = {"time_learner_idle_s": t1 - t0, "time_rollout_idle_s": t2 - t1, "queue_len": 0.0}
+    else:
+      idle = {
+        "time_learner_idle_s": t1 - t0,
+        "time_rollout_idle_s": self.rollout.rollout_idle_s - idle0,
+        "queue_len": float(self.rollout.queue_len()),
+      }
     coefs, ctl = metrics["coefs"], metrics["controllers"]
     train_metrics = {} if step < cfg.algo.value_warmup_steps else metrics["train"]
     value_metrics = dict(metrics["value"])
@@ -515,7 +580,9 @@ class RLRun:
       **{k: float(v) for k, v in train_metrics.items()},
       **{k: float(v) for k, v in metrics["advantage"].items()},
       **{k: float(v) for k, v in value_metrics.items()},
-      "time_generate_s": t1 - t0 - gen_stats["time_reward_s"],
+      **{k: float(v) for k, v in metrics["rollout"].items()},
+      **idle,
+      "time_generate_s": gen_stats["time_produce_s"] - gen_stats["time_reward_s"],
       "time_train_s": t2 - t1,  # the learner program: scoring, advantages, policy and critic updates
       "time_step_s": t2 - t0,
     }
@@ -526,6 +593,8 @@ class RLRun:
   def rollback(self, state: LearnerState, step: int) -> tuple[LearnerState, int]:
     """After ``max_bad_steps`` non-finite steps: restore the last good checkpoint."""
     ck = self.cfg.checkpoint
+    if self.rollout is not None:
+      self.rollout.stop()  # its batches came from the policy being rolled back; restarted at the next step
     self.ckpt.wait()
     found = self.ckpt.restore_latest(
       lambda meta: abstract_like(self._tree(state), self.mesh), at_most=self.global_step("rl", self.last_good_step)
@@ -642,6 +711,8 @@ def _rl_phase(run: RLRun, state: LearnerState, step: int, warm: dict[str, float]
       bar.close()
       raise Preempted(f"RL step {step}" if saved else f"RL step {run.last_good_step} (the last good step)")
   bar.close()
+  if run.rollout is not None:
+    run.rollout.stop()  # every batch is trained on; the worker's state is the run's again
   return state, step
 
 

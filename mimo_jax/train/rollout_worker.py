@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from mimo_jax.config import Config, parse_float_list
+from mimo_jax.config import Config
 from mimo_jax.data.curriculum import PassRateCurriculum, PromptSampler
 from mimo_jax.rewards.task_rewards import reward_samples
 from mimo_jax.rollout import FINISH_LENGTH, RolloutOutput
@@ -135,7 +135,7 @@ class RolloutBatch:
     rewards: host-side rewards, texts and reward metrics.
     stats: rollout metrics (reward time, truncated prompts, dynamic-sampling and curriculum counts).
     temperature: the sampling temperature used.
-    policy_version: the learner step whose weights generated it.
+    policy_version: the learner version (RL steps trained) whose weights generated it.
   """
 
   experience: Experience
@@ -178,7 +178,7 @@ class RolloutWorker:
 
   def _prompt_sampler(self) -> PromptSampler:
     """The curriculum sampler: a pool of task prompts, weighted toward the pass-rate band."""
-    band = parse_float_list("curriculum_band", self.cfg.data.curriculum_band, 2)
+    band = self.cfg.data.curriculum_band
     cls = type(self.task.sample(np.random.default_rng(0), 1)[0])
     return PromptSampler(
       self.task.sample,
@@ -197,10 +197,18 @@ class RolloutWorker:
     self.sampler.update_params(params)
 
   def produce(self, step: int, policy_version: int) -> RolloutBatch:
-    """Generates, rewards and packs RL step ``step``'s batch from the sampler's current weights."""
+    """Generates, rewards and packs RL step ``step``'s batch from the sampler's current weights.
+
+    Args:
+      step: the RL step that will train on the batch (its batch id).
+      policy_version: the learner version (RL steps trained) of the sampler's current weights.
+    """
+    t0 = time.perf_counter()
     temperature = self.temperature(step)
     problems, rollout, rewards, stats = self.rollout_batch(temperature)
     exp = self.experience(problems, rollout, rewards, batch_id=step, policy_version=policy_version)
+    jax.block_until_ready(exp)
+    stats["time_produce_s"] = time.perf_counter() - t0
     self.batches.append(
       {
         "batch_id": step,

@@ -8,6 +8,7 @@ lock and never delete anything (``Checkpointer(read_only=True)``).
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -15,7 +16,8 @@ import shutil
 from typing import Any
 
 from mimo_jax.ckpt import Checkpointer
-from mimo_jax.config_base import ConfigError
+from mimo_jax.config import CONCERN_CLASSES
+from mimo_jax.config_base import ConfigError, coerce_value
 from mimo_jax.train.logger import MetricsLogger
 
 LOCK_NAME = ".lock"
@@ -77,8 +79,15 @@ def identity_mismatches(previous: dict[str, Any], current: dict[str, Any]) -> li
   out = []
   for section, names in IDENTITY.items():
     section = "data" if section == "data_rows" else section
+    fields = {f.name: f for f in dataclasses.fields(CONCERN_CLASSES[section])}
     for name in names:
       old, new = previous.get(section, {}).get(name), current.get(section, {}).get(name)
+      # Compared as the field's type: a config.json holds a tuple as a list (or, written before
+      # list settings were tuples, as its command-line text).
+      if old is not None:
+        old = coerce_value(fields[name], old)
+      if new is not None:
+        new = coerce_value(fields[name], new)
       if old != new:
         out.append(f"--{name}: {old!r} -> {new!r}")
   return out

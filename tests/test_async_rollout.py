@@ -1,0 +1,414 @@
+"""Async rollout: bounded, exact staleness; zero staleness equal to the synchronous loop; IS corrections."""
+
+import json
+import os
+import shutil
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mimo_jax import rl
+from mimo_jax.ckpt import Checkpointer
+from mimo_jax.config import ConfigError, validate
+from mimo_jax.main import main, parse_config
+from mimo_jax.testing import count_compilations, kill_resume
+from mimo_jax.train.async_rollout import AsyncRollout, RolloutStopped
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGFILE = os.path.join(ROOT, "experiments", "grpo_tiny.flags")
+# An entropy bonus moves the policy at every update even while the tiny model's rewards are all 0,
+# so stale samples really are off-policy.
+SMALL = [
+  f"--flagfile={FLAGFILE}",
+  "--model_preset=tiny",
+  "--sft_steps=10",
+  "--entropy_coef=0.01",
+  "--warmup_steps=0",
+  "--sft_batch_size=16",
+  "--max_steps=6",
+  "--prompts_per_step=8",
+  "--num_samples=4",
+  "--eval_prompts=16",
+  "--eval_samples=2",
+  "--eval_every=3",
+  "--max_new_tokens=6",
+  "--checkpoint_every=1",
+  "--keep_last=50",
+  "--mesh_fsdp=8",
+  "--tensorboard=false",
+  "--learning_rate=3e-4",
+]
+
+
+def _rl_records(run_dir):
+  return [r for r in kill_resume.load_metrics(str(run_dir)) if "reward_mean" in r]
+
+
+def _metas(run_dir):
+  ckpt = Checkpointer(os.path.join(str(run_dir), "checkpoints"), read_only=True)
+  try:
+    return [ckpt.read_meta(s) for s in ckpt.all_steps()]
+  finally:
+    ckpt.close()
+
+
+def _final_meta(run_dir):
+  return _metas(run_dir)[-1]
+
+
+# ----------------------------------------------------------------------------
+# Flags
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["--max_staleness=2"], "--max_staleness=2: bounds the lag of --async_rollout"),
+    (["--rollout_devices=2"], "--rollout_devices=2: a rollout sub-mesh needs --async_rollout"),
+    (["--is_correction=tris"], "--is_correction"),
+    (["--is_clip=0.5"], "--is_clip=0.5: must be >= 1"),
+    (["--async_rollout", "--max_staleness=-2"], "--max_staleness=-2: must be -1 or >= 0"),
+  ],
+)
+def test_bad_async_flags_fail_before_compute(argv, message):
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    parse_config(["prog", *argv])
+
+
+def test_rollout_devices_must_leave_devices_to_learn_on():
+  cfg = parse_config(["prog", "--async_rollout", f"--rollout_devices={jax.device_count()}"])
+  with pytest.raises(ConfigError, match="--rollout_devices=8: must leave devices to learn on"):
+    validate(cfg, jax.device_count())
+
+
+def test_staleness_and_correction_defaults_resolve():
+  from mimo_jax.train.learner import is_correction
+
+  sync = parse_config(["prog"])
+  assert sync.rollout.staleness == 0 and is_correction(sync) == "none"
+  default_async = parse_config(["prog", "--async_rollout"])
+  assert default_async.rollout.staleness == 1 and is_correction(default_async) == "decoupled"
+  lockstep = parse_config(["prog", "--async_rollout", "--max_staleness=0"])
+  assert lockstep.rollout.staleness == 0 and is_correction(lockstep) == "none"
+  chosen = parse_config(["prog", "--async_rollout", "--max_staleness=3", "--is_correction=tis"])
+  assert chosen.rollout.staleness == 3 and is_correction(chosen) == "tis"
+
+
+# ----------------------------------------------------------------------------
+# The corrections, against hand-computed values
+# ----------------------------------------------------------------------------
+
+# Two rows of three tokens; row 1's last token is padding.  Log-ratios log(pi_prox / mu):
+LOG_RATIO = np.log(np.array([[1.0, 3.0, 0.5], [1.5, 1.5, 9.0]]))
+MASK = np.array([[True, True, True], [True, True, False]])
+BEHAVIOUR = np.full((2, 3), -1.0)
+PROXIMAL = BEHAVIOUR + LOG_RATIO
+
+
+@pytest.mark.parametrize(
+  "mode, weights, clipfrac",
+  [
+    ("none", [[1, 1, 1], [1, 1, 0]], 0.0),
+    # min(ratio, 2)
+    ("tis", [[1, 2, 0.5], [1.5, 1.5, 0]], 1 / 5),
+    # geometric means: row 0 (1 * 3 * 0.5)^(1/3) = 1.145 (kept), row 1 1.5 (kept)
+    ("mis", [[1, 1, 1], [1, 1, 0]], 0.0),
+    # the ratio itself, masked above 2
+    ("decoupled", [[1, 0, 0.5], [1.5, 1.5, 0]], 1 / 5),
+  ],
+)
+def test_importance_weights_match_hand_computed_values(mode, weights, clipfrac):
+  w, m = rl.importance_weights(PROXIMAL, BEHAVIOUR, MASK, mode=mode, clip=2.0)
+  np.testing.assert_allclose(np.asarray(w), weights, rtol=1e-6)
+  np.testing.assert_allclose(float(m["is_ratio_mean"]), (1 + 3 + 0.5 + 1.5 + 1.5) / 5, rtol=1e-6)
+  np.testing.assert_allclose(float(m["is_ratio_max"]), 3.0, rtol=1e-6)  # the padded 9 is not counted
+  np.testing.assert_allclose(float(m["is_clipfrac"]), clipfrac, rtol=1e-6)
+
+
+def test_masked_is_drops_whole_rows_outside_the_band():
+  # Row 0's geometric mean is 1.145; with C = 1.1 it falls outside [1/1.1, 1.1], row 1 (1.5) too.
+  w, m = rl.importance_weights(PROXIMAL, BEHAVIOUR, MASK, mode="mis", clip=1.1)
+  np.testing.assert_allclose(np.asarray(w), np.zeros((2, 3)))
+  assert float(m["is_clipfrac"]) == 1.0
+  # A row far below 1 is dropped as well: ratios 0.25 everywhere.
+  w, _ = rl.importance_weights(BEHAVIOUR + np.log(0.25), BEHAVIOUR, MASK, mode="mis", clip=2.0)
+  assert float(jnp.sum(w)) == 0.0
+
+
+def test_weights_carry_no_gradient_and_bad_arguments_are_refused():
+  grad = jax.grad(lambda p: jnp.sum(rl.importance_weights(p, BEHAVIOUR, MASK, mode="tis", clip=2.0)[0]))(PROXIMAL)
+  assert float(jnp.abs(grad).sum()) == 0.0
+  with pytest.raises(ValueError, match="unknown IS correction 'x'"):
+    rl.importance_weights(PROXIMAL, BEHAVIOUR, MASK, mode="x", clip=2.0)
+  with pytest.raises(ValueError, match="must be >= 1"):
+    rl.importance_weights(PROXIMAL, BEHAVIOUR, MASK, mode="tis", clip=0.5)
+
+
+def test_behaviour_gap_is_the_k3_estimate_and_zero_on_policy():
+  assert float(rl.behaviour_gap(BEHAVIOUR, BEHAVIOUR, MASK)) == 0.0
+  r = np.exp(LOG_RATIO)  # pi_prox / mu, samples from mu: k3 = r - 1 - log r
+  expected = ((r - 1 - LOG_RATIO) * MASK).sum() / MASK.sum()
+  np.testing.assert_allclose(float(rl.behaviour_gap(PROXIMAL, BEHAVIOUR, MASK)), expected, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# The producer's admission control, on a host-only worker
+# ----------------------------------------------------------------------------
+
+
+class _HostWorker:
+  """The two things the producer uses of a RolloutWorker, on the host: ``produce`` and its state."""
+
+  def __init__(self):
+    self.made = []  # (batch id, version of the weights it was made with, versions published then)
+    self.params = None
+    self.draws = 0
+    self.rollout = None
+
+  def update_params(self, params):
+    self.params = params
+
+  def produce(self, step, policy_version):
+    assert self.params == policy_version  # made with exactly the version it is stamped with
+    self.made.append((step, policy_version, sorted(self.rollout._versions)))
+    self.draws += 1
+    time.sleep(0.001)
+    return ("batch", step, policy_version)
+
+  def host_state(self, *, with_data):
+    return {"draws": self.draws, "loop_key": np.zeros(2, np.uint32)}
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 3])
+def test_the_producer_runs_exactly_k_versions_ahead(staleness):
+  worker = _HostWorker()
+  rollout = AsyncRollout(worker, max_staleness=staleness, to_rollout=lambda p: p, end=8)
+  worker.rollout = rollout
+  rollout.start(0, 0, 0)
+  for step in range(8):
+    if step:
+      rollout.publish(step, step)
+    assert rollout.get(step) == ("batch", step, max(step - staleness, 0))
+    assert rollout.queue_len() <= staleness
+  # Batch b was made with version b - K, which existed by then.
+  for b, version, published in worker.made:
+    assert version == max(b - staleness, 0) and version in published
+  assert [b for b, _, _ in worker.made] == list(range(8))
+  rollout.stop()
+
+
+def test_paused_lends_the_worker_between_the_same_two_batches_and_refreshes_the_record():
+  worker = _HostWorker()
+  rollout = AsyncRollout(worker, max_staleness=2, to_rollout=lambda p: p, end=10)
+  worker.rollout = rollout
+  rollout.start(0, 0, 0)
+  rollout.get(0)
+  with rollout.paused() as w:
+    # Every batch version 0 admits (0, 1, 2) is made before the caller gets the worker.
+    assert [b for b, _, _ in worker.made] == [0, 1, 2]
+    w.draws += 100
+  assert rollout.record_before(3)["draws"] == 103
+  assert rollout.pending(1) == [1, 2]
+  rollout.stop()
+
+
+def test_a_producer_error_reaches_the_learner_and_stop_unblocks_it():
+  class Failing(_HostWorker):
+    def produce(self, step, policy_version):
+      raise RuntimeError("reward worker died")
+
+  rollout = AsyncRollout(Failing(), max_staleness=1, to_rollout=lambda p: p, end=4)
+  rollout.start(0, 0, 0)
+  with pytest.raises(RuntimeError, match="reward worker died"):
+    rollout.get(0)
+  rollout.stop()
+
+  worker = _HostWorker()
+  rollout = AsyncRollout(worker, max_staleness=0, to_rollout=lambda p: p, end=4)
+  worker.rollout = rollout
+  rollout.start(0, 0, 0)
+  rollout.get(0)
+  errors = []
+
+  def wait_for_batch_1():  # batch 1 needs version 1, never published
+    try:
+      rollout.get(1)
+    except RolloutStopped as e:
+      errors.append(e)
+
+  t = threading.Thread(target=wait_for_batch_1)
+  t.start()
+  time.sleep(0.05)
+  rollout.stop()  # the producer waits for version 1; stopping it must wake the learner too
+  t.join(timeout=10)
+  assert not t.is_alive() and errors
+
+
+# ----------------------------------------------------------------------------
+# End to end: the real worker, sampler and learner
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  base = tmp_path_factory.mktemp("async")
+  flags = {
+    "sync": [],
+    "lockstep": ["--async_rollout", "--max_staleness=0"],
+    "stale2": ["--async_rollout", "--max_staleness=2"],
+  }
+  for name, extra in flags.items():
+    assert main(["prog", *SMALL, *extra, f"--run_dir={base / name}"]) == 0, name
+  return base
+
+
+def test_zero_staleness_is_bit_identical_to_the_synchronous_loop(runs):
+  assert kill_resume.compare(str(runs / "sync"), str(runs / "lockstep")) == []
+  # Every update moved the policy: otherwise "identical" would be cheap.
+  assert all(r["grad_norm"] > 0 and r["update_norm"] > 0 for r in _rl_records(runs / "sync"))
+
+
+def test_staleness_is_exact_and_logged_every_step(runs):
+  records = _rl_records(runs / "stale2")
+  assert [r["staleness_max"] for r in records] == [0, 1, 2, 2, 2, 2]
+  assert [r["staleness_mean"] for r in records] == [0, 1, 2, 2, 2, 2]
+  for r in records:
+    for key in ("is_ratio_mean", "is_ratio_max", "is_clipfrac", "sampler_learner_kl", "queue_len"):
+      assert np.isfinite(r[key]), key
+  raw = [json.loads(line) for line in open(runs / "stale2" / "metrics.jsonl")]
+  idle = [r for r in raw if "reward_mean" in r]
+  assert len(idle) == 6 and all(r["time_rollout_idle_s"] >= 0 and r["time_learner_idle_s"] >= 0 for r in idle)
+  # Stale rows are off-policy: once the policy has moved, the ratios leave 1.
+  assert max(abs(r["is_ratio_mean"] - 1) for r in records[2:]) > 1e-4
+  assert all(r["staleness_max"] == 0 for r in _rl_records(runs / "sync"))
+
+
+def test_a_stale_run_does_not_depend_on_thread_timing(runs, tmp_path):
+  # The same configuration again, the machine busy differently: every batch comes from the same
+  # weights, so the two runs are identical.
+  assert main(["prog", *SMALL, "--async_rollout", "--max_staleness=2", f"--run_dir={tmp_path / 'again'}"]) == 0
+  assert kill_resume.compare(str(runs / "stale2"), str(tmp_path / "again")) == []
+
+
+def test_checkpoints_list_the_real_pending_batches(runs):
+  rl_metas = [m for m in _metas(runs / "stale2") if m["phase"] == "rl" and 0 < m["step"] < 6]
+  assert rl_metas
+  for m in rl_metas:
+    buf, s = m["buffer"], m["step"]
+    consumed = [b["batch_id"] for b in buf["batches"] if b["status"] == "consumed"]
+    assert consumed == list(range(s))  # every batch before step s, once
+    pending = [b for b in buf["batches"] if b["status"] == "pending"]
+    assert [b["batch_id"] for b in pending] == buf["pending"]
+    assert buf["pending"] == list(range(s, s + len(buf["pending"]))) and len(buf["pending"]) <= 3
+    assert all(b["policy_version"] == max(b["batch_id"] - 2, 0) for b in pending)
+  assert _final_meta(runs / "stale2")["buffer"]["pending"] == []
+
+
+def test_a_resume_regenerates_pending_batches_deterministically_and_loses_none(runs, tmp_path):
+  # Resuming mid-run (what a kill -9 leads to) twice from the same checkpoint: the two resumed runs
+  # are identical, and they drew exactly the prompts of the uninterrupted run (same data RNG at the end).
+  copies = []
+  for name in ("a", "b"):
+    dst = tmp_path / name
+    shutil.copytree(runs / "stale2", dst)
+    assert main(["prog", *SMALL, "--async_rollout", "--max_staleness=2", f"--run_dir={dst}", "--rollback_to=3"]) == 0
+    copies.append(dst)
+  assert kill_resume.compare(str(copies[0]), str(copies[1])) == []
+  records = _rl_records(copies[0])
+  assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # nothing trained on twice
+  assert _final_meta(copies[0])["data_rng"] == _final_meta(runs / "stale2")["data_rng"]
+  consumed = [b["batch_id"] for b in _final_meta(copies[0])["buffer"]["batches"]]
+  assert consumed == list(range(6))
+  # The regenerated batches came from the restored (fresher) policy: staleness restarts at 0.
+  assert [r["staleness_max"] for r in records] == [0, 1, 2, 0, 1, 2]
+
+
+# ----------------------------------------------------------------------------
+# The learner's ratios against a direct recomputation under the generating policy
+# ----------------------------------------------------------------------------
+
+
+def _learner_run(tmp_path, *extra):
+  from mimo_jax.train.loop import RLRun
+
+  cfg = parse_config(["prog", *SMALL, f"--run_dir={tmp_path}", *extra])
+  run = RLRun(cfg, str(tmp_path))
+  run.open_logger(None)
+  return run
+
+
+@pytest.mark.parametrize("mode", ["tis", "decoupled"])
+def test_stale_ratios_equal_a_direct_recomputation_under_the_generating_policy(tmp_path, mode):
+  from mimo_jax.models.logprobs import completion_stats
+  from mimo_jax.rl.advantages import masked_mean
+
+  run = _learner_run(tmp_path, f"--is_correction={mode}", "--is_clip=1.05")
+  state = run.begin_rl(run.fresh_state("rl").params, {})
+  generating = jax.tree.map(jnp.copy, state.params)
+  batch = run.worker.produce(2, 0)  # made by version 0, trained on at step 2: two versions stale
+  # The learner's policy moved on (two perturbed versions later).
+  leaves, treedef = jax.tree.flatten(state.params)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  moved = [p + 0.02 * jax.random.normal(k, p.shape, p.dtype) for p, k in zip(leaves, keys, strict=True)]
+  state = state.replace(policy=state.policy.replace(params=jax.tree.unflatten(treedef, moved)))
+  learner_params = jax.tree.map(jnp.copy, state.params)
+  same_state = jax.tree.map(jnp.copy, state)
+  # Rewards that differ within groups (the tiny model's own are all 0), so the advantages are not 0.
+  exp = batch.experience
+  exp = exp.replace(rewards=np.arange(exp.rewards.shape[0], dtype=np.float32) % 3)
+  _, metrics = run.learner.learn(state, exp, jnp.int32(2), jnp.bool_(False))
+  metrics = jax.device_get(metrics)
+  # The weights reach the update: the uncorrected learner's loss on the same state and batch differs.
+  from mimo_jax.train.learner import build_learner
+
+  plain = build_learner(parse_config(["prog", *SMALL, "--is_correction=none"]), run.mesh, run.graphdef)
+  _, plain_metrics = plain.learn(same_state, exp, jnp.int32(2), jnp.bool_(False))
+  assert float(plain_metrics["train"]["pg_loss"]) != pytest.approx(float(metrics["train"]["pg_loss"]), rel=1e-4)
+  np.testing.assert_allclose(plain_metrics["rollout"]["is_ratio_mean"], metrics["rollout"]["is_ratio_mean"], rtol=1e-6)
+
+  from flax import nnx
+
+  def logp(params):
+    model = nnx.merge(run.graphdef, params)
+    args = (exp.prompt_tokens, exp.prompt_mask, exp.completion_tokens, exp.completion_mask, exp.temperature)
+    return completion_stats(model, *args, impl="full")[0]
+
+  mask = exp.completion_mask
+  # The sampler's own log-probs are the generating policy's.
+  np.testing.assert_allclose(
+    np.asarray(exp.sampler_logprobs)[np.asarray(mask)], np.asarray(logp(generating))[np.asarray(mask)], atol=2e-4
+  )
+  ratio = jnp.exp(logp(learner_params) - logp(generating))
+  np.testing.assert_allclose(metrics["rollout"]["is_ratio_mean"], float(masked_mean(ratio, mask)), rtol=1e-3)
+  np.testing.assert_allclose(metrics["rollout"]["is_ratio_max"], float(jnp.max(jnp.where(mask, ratio, 0))), rtol=1e-3)
+  changed = ratio > 1.05
+  # (one token within rounding of the threshold may fall either side)
+  one_token = 1.0 / float(jnp.sum(mask))
+  np.testing.assert_allclose(metrics["rollout"]["is_clipfrac"], float(masked_mean(changed, mask)), atol=one_token)
+  assert 0 < metrics["rollout"]["is_clipfrac"] < 1  # the threshold matters on this batch
+  assert metrics["rollout"]["staleness_max"] == 2.0
+  run.close()
+
+
+def test_async_steps_compile_nothing_after_warmup(tmp_path):
+  run = _learner_run(tmp_path, "--async_rollout", "--max_staleness=1", "--max_steps=6", "--eval_every=0")
+  state = run.begin_rl(run.fresh_state("rl").params, {})
+  state, _ = run.step(state, 0)
+  state, _ = run.step(state, 1)
+  with count_compilations() as c:
+    for step in range(2, 6):
+      state, (record, _) = run.step(state, step)
+  assert c.count == 0
+  assert record["staleness_max"] == 1.0
+  run.close()
+
+
+def test_the_async_run_directory_records_the_flags(runs):
+  cfg = json.load(open(runs / "stale2" / "config.json"))
+  assert cfg["rollout"]["async_rollout"] is True and cfg["rollout"]["max_staleness"] == 2
+  assert cfg["algo"]["is_correction"] == "auto"
