@@ -467,7 +467,26 @@ RUN_RECORD_KEYS = ("sandbox",)
 
 
 def validate(cfg: Config, num_devices: int) -> None:
-  """Cross-concern checks that need the device count; raises ConfigError."""
+  """Cross-concern checks that need the device count; raises ConfigError.
+
+  With ``--rollout_devices=K`` the first K devices generate and the mesh flags describe the
+  learner's mesh over the other ``num_devices - K``.
+  """
+  r = cfg.rollout
+  if r.rollout_devices:
+    check(
+      r.rollout_devices < num_devices,
+      "rollout_devices",
+      r.rollout_devices,
+      f"must leave devices to learn on: fewer than the {num_devices} devices",
+    )
+    check(
+      cfg.data.prompts_per_step % r.rollout_devices == 0,
+      "prompts_per_step",
+      cfg.data.prompts_per_step,
+      f"must be a multiple of --rollout_devices={r.rollout_devices} (each rollout device generates its share)",
+    )
+    num_devices -= r.rollout_devices
   cfg.mesh.resolve(num_devices)
   if not cfg.model.hf_checkpoint:
     validate_model_on_mesh(cfg.model.model_config(), cfg.mesh, num_devices)
@@ -489,14 +508,6 @@ def validate(cfg: Config, num_devices: int) -> None:
     cfg.optim.warmup_steps,
     "the phase schedule shapes the learning rate itself (warm-up ramp, cosine, fine-tune); set --warmup_steps=0",
   )
-  r = cfg.rollout
-  if r.rollout_devices:
-    check(
-      r.rollout_devices < num_devices,
-      "rollout_devices",
-      r.rollout_devices,
-      f"must leave devices to learn on: fewer than the {num_devices} devices",
-    )
   batch = cfg.data.prompts_per_step * cfg.rollout.num_samples
   check(
     batch % cfg.algo.num_minibatches == 0,

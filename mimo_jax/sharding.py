@@ -61,9 +61,13 @@ TRAIN_RULES: Rules = (
   ("cache_seq", None),
 )
 
-# Generation keeps the parameter layout (same weights, no copy) and differs in the
-# activations: the KV cache is batch-sharded over data/fsdp and head-sharded over tensor.
-GENERATE_RULES: Rules = TRAIN_RULES
+# Generation: the same activation and KV-cache layout (batch over data/fsdp, heads over tensor),
+# and a weight layout of its own, replicated over fsdp: a decode step reads every weight, so
+# FSDP-sharded weights would be all-gathered at every generated token.  Activations never use the
+# ``embed`` axis, so on a shared mesh the sampler reads the live training weights (TRAIN layout)
+# under these rules unchanged; a separate rollout mesh (``--rollout_devices``) receives its own
+# copy of the weights in this layout (:func:`generation_shardings`).
+GENERATE_RULES: Rules = tuple((name, None if name == "embed" else axes) for name, axes in TRAIN_RULES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +228,27 @@ def state_shardings(state: Any, mesh: Mesh, rules: Rules = TRAIN_RULES) -> Any:
     return NamedSharding(mesh, PartitionSpec(*([None] * len(shape))))
 
   return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def generation_shardings(params: Any, mesh: Mesh) -> Any:
+  """Where the rollout side's copy of ``params`` lives on its own ``mesh``: the generation layout
+  (:data:`GENERATE_RULES`).  ``jax.device_put(params, generation_shardings(params, mesh))`` moves
+  trained weights to the rollout devices device to device."""
+  return state_shardings(params, mesh, GENERATE_RULES)
+
+
+def split_devices(num_rollout: int, devices: Sequence[jax.Device] | None = None) -> tuple[list, list]:
+  """``(rollout devices, learner devices)``: the first ``num_rollout`` of the global devices generate."""
+  devices = list(devices) if devices is not None else jax.devices()
+  if not 0 < num_rollout < len(devices):
+    raise ValueError(f"--rollout_devices={num_rollout}: needs 0 < K < {len(devices)} devices")
+  return devices[:num_rollout], devices[num_rollout:]
+
+
+def rollout_mesh(devices: Sequence[jax.Device]) -> Mesh:
+  """The rollout sub-mesh: every device a data shard (each generates its rows with a full copy of
+  the weights; the generation layout replicates them anyway)."""
+  return build_mesh(MeshConfig(mesh_data=len(devices), mesh_fsdp=1, mesh_tensor=1), devices)
 
 
 # ----------------------------------------------------------------------------

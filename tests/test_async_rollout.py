@@ -412,3 +412,76 @@ def test_the_async_run_directory_records_the_flags(runs):
   cfg = json.load(open(runs / "stale2" / "config.json"))
   assert cfg["rollout"]["async_rollout"] is True and cfg["rollout"]["max_staleness"] == 2
   assert cfg["algo"]["is_correction"] == "auto"
+
+
+# ----------------------------------------------------------------------------
+# The rollout sub-mesh: its own devices, the generation layout, the same outputs
+# ----------------------------------------------------------------------------
+
+
+def test_the_generation_layout_is_its_own_table_and_generates_the_same_outputs():
+  from flax import nnx
+
+  from mimo_jax import sharding
+  from mimo_jax.models import Transformer, create_sharded
+  from mimo_jax.models.config import tiny
+  from mimo_jax.rollout import generate
+
+  assert sharding.GENERATE_RULES != sharding.TRAIN_RULES
+  assert dict(sharding.GENERATE_RULES)["embed"] is None and dict(sharding.TRAIN_RULES)["embed"] == "fsdp"
+  cfg = tiny().replace(num_heads=4, num_kv_heads=2)
+  train_mesh = sharding.build_mesh(sharding.MeshConfig(1, 8, 1))
+  trained = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(3)), train_mesh)
+  graphdef, params = nnx.split(trained)
+  rollout_devices, _ = sharding.split_devices(4)
+  rmesh = sharding.rollout_mesh(rollout_devices)
+  moved = jax.device_put(params, sharding.generation_shardings(params, rmesh))
+  # Moved device to device onto the rollout devices, replicated over fsdp there.
+  train_leaves, moved_leaves = jax.tree.leaves(params), jax.tree.leaves(moved)
+  assert all(set(x.sharding.device_set) == set(rollout_devices) for x in moved_leaves)
+  assert any("fsdp" in str(x.sharding.spec) for x in train_leaves)
+  assert not any("fsdp" in str(x.sharding.spec) for x in moved_leaves)
+  for a, b in zip(train_leaves, moved_leaves, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15, 16, 17]]
+  for kw in (dict(temperature=0.0), dict(temperature=0.8, top_k=50, seed=11)):
+    a = generate(trained, prompts, max_new_tokens=8, num_samples=2, mesh=train_mesh, **kw)
+    b = generate(nnx.merge(graphdef, moved), prompts, max_new_tokens=8, num_samples=2, mesh=rmesh, **kw)
+    np.testing.assert_array_equal(np.asarray(a.completion_tokens), np.asarray(b.completion_tokens))
+    np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-5)
+
+
+def test_a_run_on_a_rollout_sub_mesh_generates_on_its_own_devices(tmp_path):
+  run = _learner_run(
+    tmp_path, "--async_rollout", "--max_staleness=1", "--rollout_devices=4", "--mesh_fsdp=-1", "--max_steps=3"
+  )
+  rollout_devices = set(jax.devices()[:4])
+  assert set(run.mesh.devices.flat) == set(jax.devices()[4:])
+  state = run.begin_rl(run.fresh_state("rl").params, {})
+  records = []
+  for step in range(3):
+    state, (record, _) = run.step(state, step)
+    records.append(record)
+  batch_leaf = run.rollout.worker.sampler._state  # the producer's current weights
+  assert all(set(x.sharding.device_set) == rollout_devices for x in jax.tree.leaves(batch_leaf))
+  assert all(set(x.sharding.device_set) == set(jax.devices()[4:]) for x in jax.tree.leaves(state.params))
+  assert [r["staleness_max"] for r in records] == [0, 1, 1]
+  assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in records)
+  run.close()
+
+
+def test_the_rollout_sub_mesh_must_fit_the_batch():
+  cfg = parse_config(["prog", "--async_rollout", "--rollout_devices=3", "--prompts_per_step=8"])
+  with pytest.raises(ConfigError, match="--prompts_per_step=8: must be a multiple of --rollout_devices=3"):
+    validate(cfg, jax.device_count())
+
+
+def test_the_async_benchmark_measures_the_trainers_step():
+  from mimo_jax.bench.async_rollout import SHAPES, measure
+
+  assert set(SHAPES["large"]["modes"]) == {"sync", "async_shared", "async_split"}
+  flags = ["--model_preset=tiny", "--prompts_per_step=8", "--num_samples=2", "--max_new_tokens=4", "--mesh_fsdp=8"]
+  m = measure([*flags, "--async_rollout", "--max_staleness=1"], warmup=1, steps=2)
+  assert m["staleness_mean"] == 1.0 and m["samples_per_s"] > 0
+  assert 0 <= m["learner_idle_share"] <= 1 and 0 <= m["rollout_idle_share"] <= 1
+  assert measure(flags, warmup=1, steps=2)["staleness_mean"] == 0.0

@@ -77,7 +77,8 @@ class AsyncRollout:
     self._stop = False
     self._waiting = False  # the producer is blocked on a version not yet published
     self._error: BaseException | None = None
-    self.rollout_idle_s = 0.0  # producer seconds spent waiting for a version
+    self._idle_s = 0.0  # producer seconds spent waiting for a version (finished waits)
+    self._wait_since = 0.0  # when the current wait began
     self.learner_idle_s = 0.0  # learner seconds spent waiting for a batch
 
   @property
@@ -171,6 +172,13 @@ class AsyncRollout:
         raise KeyError(f"no record of the rollout state before batch {batch_id}")
       return self._before[batch_id]
 
+  @property
+  def rollout_idle_s(self) -> float:
+    """Seconds the producer has waited for policy versions so far, the wait in progress included."""
+    with self._cv:
+      ongoing = time.perf_counter() - self._wait_since if self._waiting else 0.0
+      return self._idle_s + ongoing
+
   def queue_len(self) -> int:
     """Batches produced and not yet taken."""
     with self._cv:
@@ -192,13 +200,13 @@ class AsyncRollout:
         with self._cv:
           b = self._next
           need = self._required(b)
-          t0 = time.perf_counter()
+          self._wait_since = time.perf_counter()
           while (need not in self._versions or b >= self.end) and not self._stop:
             self._waiting = True
             self._cv.notify_all()
             self._cv.wait()
           self._waiting = False
-          self.rollout_idle_s += time.perf_counter() - t0
+          self._idle_s += time.perf_counter() - self._wait_since
           if self._stop:
             return
           params = self._versions[need]

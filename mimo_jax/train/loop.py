@@ -22,6 +22,7 @@ import numpy as np
 import tqdm
 from absl import logging
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from mimo_jax import sharding
 from mimo_jax.ckpt.manager import abstract_like
@@ -37,7 +38,7 @@ from mimo_jax.rollout.encoding import encode_prompts, encode_targets
 from mimo_jax.tasks.registry import build_task, check_sandbox
 from mimo_jax.train import rundir
 from mimo_jax.train.async_rollout import AsyncRollout
-from mimo_jax.train.learner import LearnerState, build_learner, init_controller_state, uses_kl
+from mimo_jax.train.learner import Experience, LearnerState, build_learner, init_controller_state, uses_kl
 from mimo_jax.train.logger import MetricsLogger, format_progress
 from mimo_jax.train.rollout_worker import RolloutWorker, digest
 from mimo_jax.train.steps import SequenceBatch, make_sft_step
@@ -104,7 +105,15 @@ class RLRun:
     self.cfg = cfg
     self.run_dir = run_dir
     self.dir = rundir.RunDir(run_dir)  # every file of the run goes through it
-    self.mesh = sharding.build_mesh(cfg.mesh)
+    # One global mesh; with --rollout_devices its first K devices form the rollout sub-mesh and the
+    # learner's mesh (the mesh flags) spans the rest.
+    self.rollout_mesh = None
+    if cfg.rollout.rollout_devices:
+      rollout_devices, learner_devices = sharding.split_devices(cfg.rollout.rollout_devices)
+      self.mesh = sharding.build_mesh(cfg.mesh, learner_devices)
+      self.rollout_mesh = sharding.rollout_mesh(rollout_devices)
+    else:
+      self.mesh = sharding.build_mesh(cfg.mesh)
     self.task, self.tokenizer = build_task(cfg.data, seed=cfg.run.seed, hf_checkpoint=cfg.model.hf_checkpoint)
     # The isolation untrusted code runs under (build_task enforced the policy; None: the task runs no
     # code), recorded in config.json and summary.json.
@@ -159,14 +168,20 @@ class RLRun:
     )
     self.heldout = self.task.heldout()[: cfg.data.eval_prompts]
     factory = rollout_factory or (lambda model, mesh: Sampler(model, mesh=mesh))
-    sampler = factory(nnx.merge(self.graphdef, self._init_params), self.mesh)
+    self._generation_shardings = None
+    if self.rollout_mesh is not None:
+      self._generation_shardings = sharding.generation_shardings(self._init_params, self.rollout_mesh)
+    sampler = factory(nnx.merge(self.graphdef, self.rollout_params(self._init_params)), self.rollout_mesh or self.mesh)
     # ---- the rollout side: prompts -> generation -> rewards -> Experience (host state only)
     self.worker = RolloutWorker(cfg, self.task, self.tokenizer, sampler, rewarder, loop_key)
     # Async rollout: a producer thread owns the worker and runs up to --max_staleness versions ahead.
     self.rollout: AsyncRollout | None = None
     if cfg.rollout.async_rollout:
       self.rollout = AsyncRollout(
-        self.worker, max_staleness=cfg.rollout.staleness, to_rollout=_device_copy, end=cfg.run.max_steps
+        self.worker,
+        max_staleness=cfg.rollout.staleness,
+        to_rollout=_device_copy if self.rollout_mesh is None else self.rollout_params,
+        end=cfg.run.max_steps,
       )
     shards = sampler.batch_shards
     # Evaluation batches: a fixed number of prompts per call, a multiple of the batch shards.
@@ -201,6 +216,26 @@ class RLRun:
     self.preempt_requested = False
     self.last_checkpoint_s = 0.0
     self.nan_steps = set(cfg.run.debug_nan_steps)
+
+  def rollout_params(self, params: Any) -> Any:
+    """``params`` where the sampler reads them: the live learner weights on a shared mesh, or their copy on
+    the rollout sub-mesh in the generation layout (moved device to device, never through the host)."""
+    if self._generation_shardings is None:
+      return params
+    return jax.device_put(params, self._generation_shardings)
+
+  def to_learner(self, exp: Experience) -> Experience:
+    """A rollout sub-mesh's Experience on the learner's mesh (rows over the batch shards)."""
+    if self.rollout_mesh is None:
+      return exp
+
+    def place(x):
+      if not hasattr(x, "ndim") or x.ndim == 0:
+        return x
+      spec = sharding.logical_to_spec(("batch",) + (None,) * (x.ndim - 1), sharding.TRAIN_RULES, self.mesh, x.shape)
+      return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+    return jax.tree.map(place, exp)
 
   @property
   def sampler(self) -> Any:
@@ -394,7 +429,7 @@ class RLRun:
       state = self._restore_reference(state)
       if ck.rollback_to >= 0 and ck.rollback_reset_optimizer:
         state = state.replace(policy=_reset_optimizer(state.policy))
-    self.worker.update_params(state.params)
+    self.worker.update_params(self.rollout_params(state.params))
     what = "rolled back to" if ck.rollback_to >= 0 else "resumed from"
     print(f"{what} {meta['phase']} step {meta['step']} (checkpoint {gstep})", flush=True)
     return Restored(phase=meta["phase"], step=meta["step"], state=state, meta=meta)
@@ -479,8 +514,8 @@ class RLRun:
     if self.rollout is not None and self.rollout.running:
       # The producer shares the loop key stream and the sampler: the draw happens while it waits.
       with self.rollout.paused() as worker:
-        return self._evaluate(params, worker.next_key())
-    return self._evaluate(params, self.worker.next_key())
+        return self._evaluate(self.rollout_params(params), worker.next_key())
+    return self._evaluate(self.rollout_params(params), self.worker.next_key())
 
   def _evaluate(self, params, eval_key: jax.Array) -> dict[str, float]:
     cfg = self.cfg
@@ -513,7 +548,7 @@ class RLRun:
       self.ref_ckpt.delete_after(-1)
       self.ref_ckpt.save(0, {"params": state.reference}, self._meta("rl", 0, 0, policy_version=0, rollout=None))
       self.ref_ckpt.wait()
-    self.worker.update_params(state.params)
+    self.worker.update_params(self.rollout_params(state.params))
     self.save("rl", 0, state, 0, warm)
     return state
 
@@ -541,7 +576,7 @@ class RLRun:
     # ---- learn: score -> advantages -> policy update -> critic passes -> controllers (state donated)
     poison = step in self.nan_steps  # fault injection (--debug_nan_steps): NaN advantages on row 0
     self.nan_steps.discard(step)
-    state, metrics = self.learner.learn(state, batch.experience, jnp.int32(step), jnp.bool_(poison))
+    state, metrics = self.learner.learn(state, self.to_learner(batch.experience), jnp.int32(step), jnp.bool_(poison))
     if self.rollout is None:
       self.worker.update_params(state.params)
     metrics, lengths, finish = jax.device_get((metrics, rollout.lengths, rollout.finish_reason))
@@ -618,7 +653,7 @@ class RLRun:
     logging.warning(message)
     self.bad_steps = 0
     self.logger.truncate(meta["log_step"])
-    self.worker.update_params(restored.params)
+    self.worker.update_params(self.rollout_params(restored.params))
     return restored, meta["step"]
 
 
