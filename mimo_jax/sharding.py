@@ -245,6 +245,15 @@ def split_devices(num_rollout: int, devices: Sequence[jax.Device] | None = None)
   return devices[:num_rollout], devices[num_rollout:]
 
 
+def run_meshes(mesh_cfg: MeshConfig, rollout_devices: int) -> tuple[Mesh, Mesh | None]:
+  """``(learner mesh, rollout mesh or None)`` of a run: with ``rollout_devices = K > 0`` the first K
+  global devices form the rollout sub-mesh and ``mesh_cfg`` describes the learner's mesh over the rest."""
+  if not rollout_devices:
+    return build_mesh(mesh_cfg), None
+  rollout, learner = split_devices(rollout_devices)
+  return build_mesh(mesh_cfg, learner), rollout_mesh(rollout)
+
+
 def rollout_mesh(devices: Sequence[jax.Device]) -> Mesh:
   """The rollout sub-mesh: every device a data shard (each generates its rows with a full copy of
   the weights; the generation layout replicates them anyway)."""

@@ -485,3 +485,17 @@ def test_the_async_benchmark_measures_the_trainers_step():
   assert m["staleness_mean"] == 1.0 and m["samples_per_s"] > 0
   assert 0 <= m["learner_idle_share"] <= 1 and 0 <= m["rollout_idle_share"] <= 1
   assert measure(flags, warmup=1, steps=2)["staleness_mean"] == 0.0
+
+
+def test_the_dry_run_counts_the_rollout_sub_mesh(tmp_path):
+  from mimo_jax.train.dry_run import dry_run
+
+  flags = ["prog", f"--flagfile={FLAGFILE}", "--dry_run", f"--run_dir={tmp_path}", "--async_rollout"]
+  report = dry_run(parse_config([*flags, "--rollout_devices=4"]), write=False)
+  assert report["rollout_mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+  assert report["devices"] == 4 and report["mesh"]["fsdp"] == 4  # the learner's mesh: the other 4
+  b = report["per_device_bytes"]
+  # The rollout copy is whole on every rollout device; the learner's params are split 4 ways over fsdp.
+  assert b["params"] < b["rollout_params"] <= 4 * b["params"]
+  shared = dry_run(parse_config(flags), write=False)
+  assert shared["rollout_mesh"] is None and "rollout_params" not in shared["per_device_bytes"]

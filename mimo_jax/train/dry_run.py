@@ -135,7 +135,8 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
   t0 = time.perf_counter()
   # Whether or not the vocabulary needs the task built (run_vocab), as the trainer would.
   sandbox = check_sandbox(cfg.data)
-  mesh = sharding.build_mesh(cfg.mesh)
+  mesh, rollout_mesh = sharding.run_meshes(cfg.mesh, cfg.rollout.rollout_devices)
+  gen_mesh = rollout_mesh or mesh  # where generation runs and the KV cache lives
   replicated = NamedSharding(mesh, PartitionSpec())
   model_cfg = cfg.model.model_config().replace(vocab_size=vocab_size or run_vocab(cfg))
   use_kl, use_value = uses_kl(cfg), cfg.algo.use_value_model
@@ -187,7 +188,16 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
     return per_device_bytes(tree) if tree is not None else 0
 
   kv_shape = (model_cfg.num_layers, B, P + M, model_cfg.num_kv_heads, model_cfg.resolved_head_dim)
-  kv = _sds(kv_shape, jnp.dtype(model_cfg.dtype), mesh, KV_CACHE_LOGICAL_AXES)
+  kv = _sds(kv_shape, jnp.dtype(model_cfg.dtype), gen_mesh, KV_CACHE_LOGICAL_AXES)
+  # The sampler's weights: the learner's own on a shared mesh, a copy in the generation layout on a
+  # rollout sub-mesh (where they are all the rollout devices hold besides the KV cache).
+  gen_params = abs_params
+  if rollout_mesh is not None:
+    gen_params = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      abs_params,
+      sharding.generation_shardings(abs_params, rollout_mesh),
+    )
   storage = {
     "params": nbytes(abs_params),
     "master": nbytes(policy.master),
@@ -198,6 +208,8 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
     "value_optimizer_state": nbytes(value.opt_state) if value is not None else 0,
     "kv_cache": 2 * nbytes(kv),
   }
+  if rollout_mesh is not None:  # on the rollout devices: the KV cache above and this copy of the weights
+    storage["rollout_params"] = nbytes(gen_params)
   report: dict[str, Any] = {
     "model": model_cfg.name,
     "params": model_cfg.num_params(),
@@ -208,6 +220,7 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
     "platform": jax.default_backend(),
     "devices": int(mesh.size),
     "mesh": dict(mesh.shape),
+    "rollout_mesh": dict(rollout_mesh.shape) if rollout_mesh is not None else None,
     "rollout_batch": [B, P, M],
     "per_device_bytes": storage,
     "per_device_gib": {k: v / GiB for k, v in storage.items()},
@@ -222,14 +235,15 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
   times["learn"] = time.perf_counter() - t
 
   t = time.perf_counter()
-  sampler = Sampler(nnx.merge(graphdef, abs_params), mesh=mesh)
+  sampler = Sampler(nnx.merge(graphdef, gen_params), mesh=gen_mesh)
+  gen_replicated = NamedSharding(gen_mesh, PartitionSpec())
   compiled["generate"] = sampler._generate.lower(
-    abs_params,
-    _sds((Np, P), jnp.int32, mesh, ("batch", None)),
-    _sds((Np, P), bool, mesh, ("batch", None)),
-    rows((B,), jnp.float32),
-    jax.ShapeDtypeStruct(policy.rng.shape, policy.rng.dtype, sharding=replicated),
-    step,
+    gen_params,
+    _sds((Np, P), jnp.int32, gen_mesh, ("batch", None)),
+    _sds((Np, P), bool, gen_mesh, ("batch", None)),
+    _sds((B,), jnp.float32, gen_mesh, ("batch",)),
+    jax.ShapeDtypeStruct(policy.rng.shape, policy.rng.dtype, sharding=gen_replicated),
+    jax.ShapeDtypeStruct((), jnp.int32, sharding=gen_replicated),
     num_samples=G,
     max_len=M,
     sampling=SamplingParams(top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p, stop_ids=(2,)),

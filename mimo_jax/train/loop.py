@@ -107,13 +107,7 @@ class RLRun:
     self.dir = rundir.RunDir(run_dir)  # every file of the run goes through it
     # One global mesh; with --rollout_devices its first K devices form the rollout sub-mesh and the
     # learner's mesh (the mesh flags) spans the rest.
-    self.rollout_mesh = None
-    if cfg.rollout.rollout_devices:
-      rollout_devices, learner_devices = sharding.split_devices(cfg.rollout.rollout_devices)
-      self.mesh = sharding.build_mesh(cfg.mesh, learner_devices)
-      self.rollout_mesh = sharding.rollout_mesh(rollout_devices)
-    else:
-      self.mesh = sharding.build_mesh(cfg.mesh)
+    self.mesh, self.rollout_mesh = sharding.run_meshes(cfg.mesh, cfg.rollout.rollout_devices)
     self.task, self.tokenizer = build_task(cfg.data, seed=cfg.run.seed, hf_checkpoint=cfg.model.hf_checkpoint)
     # The isolation untrusted code runs under (build_task enforced the policy; None: the task runs no
     # code), recorded in config.json and summary.json.
