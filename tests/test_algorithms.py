@@ -259,6 +259,9 @@ def test_dynamic_sampling_replaces_all_equal_groups(tmp_path):
     assert record["frac_groups_all_equal"] == 0.0 and record["ds_filled_groups"] == 0
     # Every kept group is a mixed one: samples 0 and 1 right, 2 and 3 wrong.
     np.testing.assert_array_equal(np.asarray(hist["reward_hist"]).reshape(-1, 4), [[1, 1, 0, 0]] * 8)
+    # The per-component metrics and histograms describe that batch, not the first round's.
+    assert record["reward/correct_mean"] == 0.5
+    np.testing.assert_array_equal(np.asarray(hist["reward/correct"]).reshape(-1, 4), [[1, 1, 0, 0]] * 8)
   run.close()
 
   # With no extra rounds allowed the batch is filled with the all-equal groups, and counted.

@@ -499,3 +499,31 @@ def test_the_dry_run_counts_the_rollout_sub_mesh(tmp_path):
   assert b["params"] < b["rollout_params"] <= 4 * b["params"]
   shared = dry_run(parse_config(flags), write=False)
   assert shared["rollout_mesh"] is None and "rollout_params" not in shared["per_device_bytes"]
+
+
+@pytest.mark.slow
+def test_kill_9_with_batches_in_flight_loses_nothing_and_trains_on_nothing_twice(tmp_path):
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+  flags = [
+    *[f for f in SMALL if not f.startswith(("--mesh_fsdp", "--max_steps", "--eval_every"))],
+    "--mesh_fsdp=2",
+    "--max_steps=12",
+    "--eval_every=5",
+    "--async_rollout",
+    "--max_staleness=2",
+  ]
+  ref, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
+  kill_resume.run_uninterrupted(flags, ref, env)
+  kills = kill_resume.run_with_kills(flags, killed, env, kills=2, seed=1)
+  assert len(kills) == 2, kills
+  resumed = [s for phase, s in kill_resume.resumes(open(killed + ".log").read()) if phase == "rl"]
+  assert len(resumed) == 2 and all(0 < s < 12 for s in resumed), resumed
+  records = _rl_records(killed)
+  assert [r["step"] for r in records] == list(range(1, 13))  # every step once
+  final, final_ref = _final_meta(killed), _final_meta(ref)
+  assert final["data_rng"] == final_ref["data_rng"]  # the same prompts drawn, none lost, none twice
+  assert [b["batch_id"] for b in final["buffer"]["batches"]] == list(range(12))
+  assert all(b["status"] == "consumed" for b in final["buffer"]["batches"])
+  # Right after each resume the regenerated batches come from the restored policy.
+  for s in resumed:
+    assert records[s]["staleness_max"] == 0  # RL step s + 1, the first trained after the resume

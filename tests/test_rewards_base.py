@@ -512,3 +512,26 @@ def test_load_state_dict_rejects_malformed_state() -> None:
     reward.load_state_dict({"version": 1, "stats": {"t": {"v": {"mean": 0.0, "var": -1.0, "updates": 1}}}})
   reward.load_state_dict(good)
   assert reward.state_dict()["stats"] == good["stats"]
+
+
+def test_reward_batches_select_and_concatenate_rows_with_their_metrics():
+  from mimo_jax.rewards.base import RewardBatch
+
+  def batch(values, failed):
+    values = np.asarray(values, np.float32)
+    return RewardBatch(
+      rewards=values.copy(),
+      components={"correct": values},
+      failed={"correct": np.asarray(failed)},
+      normalized={"correct": values.copy()},
+    )
+
+  a = batch([1, 0, np.nan, 1], [False, True, False, False])
+  b = batch([0, 0, 1, 1], [False] * 4)
+  joined = RewardBatch.concatenate([a.select(np.array([0, 1])), b.select(np.array([2, 3]))])
+  np.testing.assert_array_equal(joined.components["correct"], [1, 0, 1, 1])
+  np.testing.assert_array_equal(joined.failed["correct"], [False, True, False, False])
+  m = joined.metrics()
+  assert m["reward/correct_mean"] == 1.0  # the failed row is not averaged
+  assert m["reward/correct_fail_frac"] == 0.25 and m["reward/failures"] == 1.0
+  np.testing.assert_array_equal(joined.histograms()["reward/correct"], [1, 1, 1])

@@ -166,7 +166,10 @@ def test_config_json_carries_the_record_only_when_given():
   cfg = Config()
   assert rundir.config_json(cfg.to_dict()) == cfg.to_json()
   record = {"mode": "namespace", "network": "namespace"}
-  assert json.loads(rundir.config_json(cfg.to_dict(), sandbox=record)) == {**json.loads(cfg.to_json()), "sandbox": record}
+  assert json.loads(rundir.config_json(cfg.to_dict(), sandbox=record)) == {
+    **json.loads(cfg.to_json()),
+    "sandbox": record,
+  }
 
 
 def test_a_different_sandbox_record_is_neither_a_mismatch_nor_unreadable(tmp_path):
@@ -218,7 +221,9 @@ def test_a_humaneval_run_records_the_sandbox_and_evaluation_rechecks(tmp_path, m
   assert summary["sandbox"] == expected
   assert json.loads((run_dir / "summary.json").read_text())["sandbox"] == expected
   on_disk = json.loads((run_dir / "config.json").read_text())
-  assert on_disk["sandbox"] == expected and {k: v for k, v in on_disk.items() if k != "sandbox"} == json.loads(cfg.to_json())
+  assert on_disk["sandbox"] == expected and {k: v for k, v in on_disk.items() if k != "sandbox"} == json.loads(
+    cfg.to_json()
+  )
   assert "sandbox isolation: mode=namespace" in capsys.readouterr().out
 
   # Resuming where the machine's record differs is no config mismatch (the run is complete: no compute).

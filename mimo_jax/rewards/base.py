@@ -724,6 +724,32 @@ class RewardBatch:
   def _valid(self, name: str) -> np.ndarray:
     return ~np.isnan(self.components[name]) & ~self.failed[name]
 
+  def select(self, rows: np.ndarray) -> RewardBatch:
+    """The rewards of ``rows`` of this batch (the failure messages are kept whole)."""
+    rows = np.asarray(rows)
+    return RewardBatch(
+      rewards=self.rewards[rows],
+      components={k: v[rows] for k, v in self.components.items()},
+      failed={k: v[rows] for k, v in self.failed.items()},
+      errors=list(self.errors),
+      normalized={k: v[rows] for k, v in self.normalized.items()},
+    )
+
+  @staticmethod
+  def concatenate(batches: Sequence[RewardBatch]) -> RewardBatch:
+    """One batch of the rows of ``batches`` in order (all of the same reward, so the same components)."""
+
+    def cat(attr: str) -> dict[str, np.ndarray]:
+      return {k: np.concatenate([getattr(b, attr)[k] for b in batches]) for k in getattr(batches[0], attr)}
+
+    return RewardBatch(
+      rewards=np.concatenate([b.rewards for b in batches]),
+      components=cat("components"),
+      failed=cat("failed"),
+      errors=[e for b in batches for e in b.errors],
+      normalized=cat("normalized"),
+    )
+
   def metrics(self) -> dict[str, float]:
     """Scalar metrics for the logger.
 

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 
 from mimo_jax.config import Config
 from mimo_jax.data.curriculum import PassRateCurriculum, PromptSampler
+from mimo_jax.rewards.base import RewardBatch
 from mimo_jax.rewards.task_rewards import reward_samples
 from mimo_jax.rollout import FINISH_LENGTH, RolloutOutput
 from mimo_jax.rollout.encoding import decode_completions, encode_prompts, sampling_params
@@ -52,6 +53,7 @@ class Rewards:
     metrics: per-component means and failure counts (``reward/...``).
     histograms: per-component raw values (``reward/<name>``), logged as histograms.
     components: per source name, float32 ``[B]`` raw values (NaN where a source does not apply).
+    batch: the composite reward's own batch the metrics came from (None for a stand-in reward).
   """
 
   values: np.ndarray
@@ -60,6 +62,7 @@ class Rewards:
   metrics: dict[str, float] = dataclasses.field(default_factory=dict)
   histograms: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
   components: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  batch: RewardBatch | None = None
 
 
 def _select_groups(
@@ -108,9 +111,14 @@ def _select_groups(
     name: np.concatenate([rounds[r][2].components[name][g * group_size : (g + 1) * group_size] for r, g in picks])
     for name in rounds[0][2].components
   }
-  # Component metrics are those of the first round (the others only refill the batch).
-  first = rounds[0][2]
-  rewards = Rewards(gather("values"), gather("correct"), texts, first.metrics, first.histograms, components)
+  # Component metrics and histograms describe the batch trained on: the selected groups of every round.
+  metrics, histograms, batch = rounds[0][2].metrics, rounds[0][2].histograms, None
+  if all(isinstance(r[2].batch, RewardBatch) for r in rounds):
+    batch = RewardBatch.concatenate(
+      [rounds[r][2].batch.select(np.arange(g * group_size, (g + 1) * group_size)) for r, g in picks]
+    )
+    metrics, histograms = batch.metrics(), batch.histograms()
+  rewards = Rewards(gather("values"), gather("correct"), texts, metrics, histograms, components, batch)
   return problems, rollout, rewards
 
 
@@ -243,7 +251,7 @@ class RolloutWorker:
     batch = self.rewarder(reward_samples(problems, texts, G, truncated))
     correct = (batch.components["correct"] > 0) & ~batch.failed["correct"]
     values = np.asarray(batch.rewards, np.float32)
-    return Rewards(values, correct, texts, batch.metrics(), batch.histograms(), batch.components)
+    return Rewards(values, correct, texts, batch.metrics(), batch.histograms(), batch.components, batch)
 
   def next_key(self) -> jax.Array:
     """The next key of the run's loop stream (generation and evaluation draw from it in turn)."""
