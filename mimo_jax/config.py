@@ -216,7 +216,8 @@ class AlgoConfig:
     "auto",
     "Importance correction of the gap between the sampling policy and the learner's: none, tis (token-level "
     "truncated), mis (sequence-level masked), decoupled (decoupled PPO); auto: decoupled when samples can "
-    "be stale (--async_rollout with --max_staleness > 0), none otherwise.",
+    "be stale (--async_rollout with --max_staleness > 0), tis when the sampler truncates (--top_k, --top_p), "
+    "none otherwise.",
     choices=("auto", *IS_CORRECTIONS),
   )
   is_clip: float = field(2.0, "Threshold C of the importance correction (weights truncated at / masked above C).", ge=1)

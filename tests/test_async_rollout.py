@@ -97,6 +97,10 @@ def test_staleness_and_correction_defaults_resolve():
   assert lockstep.rollout.staleness == 0 and is_correction(lockstep) == "none"
   chosen = parse_config(["prog", "--async_rollout", "--max_staleness=3", "--is_correction=tis"])
   assert chosen.rollout.staleness == 3 and is_correction(chosen) == "tis"
+  # A truncating sampler draws from a renormalised distribution the learner does not score.
+  assert is_correction(parse_config(["prog", "--top_k=20"])) == "tis"
+  assert is_correction(parse_config(["prog", "--top_p=0.9"])) == "tis"
+  assert is_correction(parse_config(["prog", "--top_p=0.9", "--is_correction=none"])) == "none"
 
 
 # ----------------------------------------------------------------------------
@@ -527,3 +531,16 @@ def test_kill_9_with_batches_in_flight_loses_nothing_and_trains_on_nothing_twice
   # Right after each resume the regenerated batches come from the restored policy.
   for s in resumed:
     assert records[s]["staleness_max"] == 0  # RL step s + 1, the first trained after the resume
+
+
+def test_a_truncating_sampler_is_corrected_by_default_and_its_ratios_are_at_most_one(tmp_path):
+  # Drawn from the renormalised top-k distribution, scored under the full softmax: on every kept
+  # token pi / mu is the kept probability mass, at most 1, and below 1 somewhere.
+  run = _learner_run(tmp_path, "--top_k=3")
+  state = run.begin_rl(run.fresh_state("rl").params, {})
+  exp = run.worker.produce(0, 0).experience
+  _, metrics = run.learner.learn(state, exp, jnp.int32(0), jnp.bool_(False))
+  m = jax.device_get(metrics["rollout"])
+  assert m["is_ratio_max"] <= 1 + 1e-5 and m["is_ratio_mean"] < 0.999
+  assert m["staleness_max"] == 0 and m["sampler_learner_kl"] > 0
+  run.close()

@@ -230,11 +230,20 @@ def controller_settings(cfg: Config) -> ControllerSettings:
 
 
 def is_correction(cfg: Config) -> str:
-  """The importance correction in effect (``--is_correction=auto``: decoupled PPO when samples can be stale)."""
+  """The importance correction in effect.
+
+  ``--is_correction=auto``: decoupled PPO when samples can be stale; token-level TIS when the
+  sampler truncates its distribution (top-k / top-p: it draws from a renormalised ``mu`` while the
+  learner scores the full softmax, so ``pi / mu <= 1`` on every kept token); none otherwise.
+  """
   mode = cfg.algo.is_correction
   if mode != "auto":
     return mode
-  return "decoupled" if cfg.rollout.staleness > 0 else "none"
+  if cfg.rollout.staleness > 0:
+    return "decoupled"
+  if cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1:
+    return "tis"
+  return "none"
 
 
 def rl_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
