@@ -185,7 +185,12 @@ class AlgoConfig:
   phase_fracs: tuple[float, ...] = field(
     (0.1, 0.7, 0.2), "Step budget fractions of the warm-up, main and fine-tune phases.", items=float, length=3, gt=0
   )
-  phase_slope_threshold: float = field(0.01, "Smoothed-reward slope below which the reward is flat.")
+  phase_slope_threshold: float = field(
+    0.5,
+    "The reward is flat when a whole run at its smoothed slope would add less than this fraction of the "
+    "smoothed reward (a relative slope: the same threshold for any run length and reward scale).",
+    ge=0,
+  )
   phase_tolerance: int = field(20, "Consecutive flat steps that end a phase.", ge=1)
   phase_smoothing: tuple[float, ...] = field(
     (0.9, 0.95, 0.97), "Reward-smoothing EMA decay per phase (rising).", items=float, length=3, ge=0, lt=1

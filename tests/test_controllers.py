@@ -136,7 +136,7 @@ def test_lr_linked_clip():
 
 def test_simulated_run_switches_phases_on_plateaus_before_the_budget():
   """A reward that rises for 30 steps then stays flat: warm-up and main end early, on the plateau."""
-  settings = C.ControllerSettings(total_steps=1000, phased=True, phase_tolerance=10, phase_slope_threshold=1e-3)
+  settings = C.ControllerSettings(total_steps=1000, phased=True, phase_tolerance=10)
   ctl = C.init_controllers(kl_coef=0.1, entropy_coef=0.0)
   update = jax.jit(lambda c, s, t: C.update_controllers(c, s, t, settings))
   phases = []
@@ -152,6 +152,29 @@ def test_simulated_run_switches_phases_on_plateaus_before_the_budget():
   assert 50 <= first_main < 100  # after half the warm-up budget, before its end
   assert first_main + 350 <= first_finetune < 800  # after half the main budget, before its end
   assert phases == sorted(phases)
+
+
+def test_a_real_learning_curve_is_not_flat_for_the_phase_detector():
+  """The embedded default's curve: 0.3 -> 0.8 over 800 steps, ~6e-4 per step.  An absolute threshold of
+  0.01 per step called it flat from the first steps; its relative slope (~0.9) is above the default 0.5."""
+  settings = C.ControllerSettings(total_steps=800, phased=True, phase_tolerance=10)
+  ctl = C.init_controllers(kl_coef=0.1, entropy_coef=0.0)
+  update = jax.jit(lambda c, s, t: C.update_controllers(c, s, t, settings))
+  rng = np.random.default_rng(0)
+  phases = []
+  for step in range(1, 400):
+    reward = 0.3 + 0.5 * step / 800 + rng.normal(0, 0.002)
+    signals = C.StepSignals(
+      kl=jnp.float32(0), entropy=jnp.float32(1), reward_mean=jnp.float32(reward), value_loss=jnp.float32(jnp.nan)
+    )
+    ctl = update(ctl, signals, step)
+    phases.append(int(ctl.phase))
+  assert int(ctl.flat_steps) == 0
+  assert float(C.relative_slope(ctl.slope, ctl.smooth_reward, 800)) == pytest.approx(0.5 * 800 / 800 / 0.55, rel=0.3)
+  # Warm-up ends at its budget (10% of 800), main has not ended early.
+  assert phases.index(1) + 1 == 80 and 2 not in phases
+  assert float(C.relative_slope(6e-4, 0.5, 800)) == pytest.approx(0.96)
+  assert float(C.relative_slope(1e-4, 0.0, 800)) == pytest.approx(1.6)  # measured against the floor near 0
 
 
 # ----------------------------------------------------------------------------

@@ -240,6 +240,21 @@ def phase_lr_multiplier(
   return jnp.select([phase == 0, phase == 1], [warm, main], 0.1).astype(jnp.float32)
 
 
+#: Rewards closer to 0 than this are measured against it (a sparse start is not "flat" by division).
+RELATIVE_SLOPE_FLOOR = 0.05
+
+
+def relative_slope(slope: ArrayLike, smooth_reward: ArrayLike, total_steps: int) -> jax.Array:
+  """The smoothed reward's slope as what a whole run at that rate would add, relative to the reward.
+
+  ``slope * total_steps / max(|smooth_reward|, RELATIVE_SLOPE_FLOOR)``: a curve climbing from 0.3 to
+  0.8 over an 800-step run has an absolute slope of ~6e-4 per step but a relative slope of ~1, so
+  one threshold (``--phase_slope_threshold``) means the same for any run length and reward scale.
+  """
+  scale = jnp.maximum(jnp.abs(jnp.asarray(smooth_reward, jnp.float32)), RELATIVE_SLOPE_FLOOR)
+  return jnp.asarray(slope, jnp.float32) * total_steps / scale
+
+
 def phase_update(
   phase: ArrayLike,
   phase_start: ArrayLike,
@@ -255,7 +270,7 @@ def phase_update(
   """Advances the phase after ``step`` (1-based count of completed steps).
 
   A phase (warm-up or main; fine-tune is final) ends when either
-  * the smoothed-reward slope has stayed below ``slope_threshold`` for ``tolerance``
+  * the smoothed reward's relative slope (:func:`relative_slope`) has stayed below ``slope_threshold`` for ``tolerance``
     consecutive steps and the phase has run at least half its budget, or
   * the cumulative budget is spent: warm-up by ``fracs[0] * total_steps``, main by
     ``(fracs[0] + fracs[1]) * total_steps``.
@@ -374,7 +389,7 @@ class ControllerSettings:
     reward_ema: EMA decay of the shaping statistics (0: per-batch statistics).
     phased: whether the phase schedule is on.
     phase_fracs: step budget fractions of the phases.
-    phase_slope_threshold: smoothed-reward slope below which the reward counts as flat.
+    phase_slope_threshold: relative slope (:func:`relative_slope`) below which the reward counts as flat.
     phase_tolerance: flat steps that end a phase.
     phase_smoothing: EMA decay of the reward signal, per phase (rising).
     phase_clip_mults: multipliers of the PPO clip range, per phase (loose, then tightening).
@@ -402,7 +417,7 @@ class ControllerSettings:
   reward_ema: float = 0.0
   phased: bool = False
   phase_fracs: tuple[float, float, float] = (0.1, 0.7, 0.2)
-  phase_slope_threshold: float = 0.01
+  phase_slope_threshold: float = 0.5
   phase_tolerance: int = 20
   phase_smoothing: tuple[float, float, float] = (0.9, 0.95, 0.97)
   phase_clip_mults: tuple[float, float, float] = (1.5, 1.0, 0.75)
@@ -501,7 +516,7 @@ def update_controllers(
       phase,
       phase_start,
       jnp.where(first, -1, flat),
-      jnp.where(first, jnp.inf, slope),
+      jnp.where(first, jnp.inf, relative_slope(slope, smooth, s.total_steps)),
       step,
       total_steps=s.total_steps,
       fracs=s.phase_fracs,
