@@ -66,9 +66,21 @@ def test_quantile_clip_golden():
   got = np.asarray(C.quantile_clip(x, 0.05, 0.95))
   np.testing.assert_allclose(got, np.clip(x, 1.0, 19.0))
   np.testing.assert_array_equal(C.quantile_clip(x, 0.0, 1.0), x)
-  # One outlier no longer dominates the batch.
-  y = np.array([0.0] * 19 + [1000.0])
+  # One outlier no longer dominates a batch of continuous values.
+  y = np.concatenate([np.linspace(0.0, 1.0, 19), [1000.0]])
   assert float(jnp.max(C.quantile_clip(y, 0.05, 0.95))) < 60.0
+
+
+def test_quantile_clip_keeps_rare_successes():
+  # 3 successes in 100 samples: the plain 95% quantile is 0 and would erase all three.
+  x = np.array([0.0] * 97 + [1.0] * 3)
+  assert float(jnp.quantile(x, 0.95)) == 0.0
+  got = np.asarray(C.quantile_clip(x, 0.05, 0.95))
+  assert got[-3:].min() > got[:97].max()  # the successes stay above the failures
+  np.testing.assert_allclose(got, np.clip(x, 0.05, 0.95))  # the two levels' own 5% / 95% points
+  # Graded levels: none is merged into another.
+  g = np.array([0.0] * 90 + [0.5] * 8 + [1.0] * 2)
+  assert len(np.unique(np.asarray(C.quantile_clip(g, 0.05, 0.95)))) == 3
 
 
 def test_ema_moments_initialise_then_decay():
@@ -259,3 +271,39 @@ def test_apply_gradients_clip_norm_and_lr_mult():
   np.testing.assert_allclose(new.params["w"], [-0.3, -0.4, 0, 0], rtol=1e-6)
   new, _ = apply_gradients(state, grads, jnp.float32(0), clip_norm=jnp.float32(100.0))
   np.testing.assert_allclose(new.params["w"], [-6.0, -8.0, 0, 0], rtol=1e-6)
+
+
+def test_ema_standardisation_changes_grpo_advantages_instead_of_cancelling():
+  """GRPO's per-group std undoes any affine map of the batch: with the EMA on, the running std is
+  the scale (group-centred rewards over it), so the shaping changes the advantages."""
+  from mimo_jax.train.steps import AdvantageInputs, AdvantageSettings, make_advantage_fn
+
+  B, M, G = 8, 3, 4
+  rewards = jnp.asarray([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+  zeros = jnp.zeros((B, M), jnp.float32)
+  inputs = AdvantageInputs(
+    rewards=rewards,
+    lengths=jnp.full((B,), M, jnp.int32),
+    truncated=jnp.zeros((B,), bool),
+    completion_mask=jnp.ones((B, M), bool),
+    old_logprobs=zeros,
+    ref_logprobs=zeros,
+    values=zeros,
+  )
+  coefs = C.DynamicCoefs(
+    kl_coef=jnp.float32(0), entropy_coef=jnp.float32(0), kl_reward_coef=jnp.float32(0), reward_decay=jnp.float32(0.9)
+  )
+  ctl = C.init_controllers(kl_coef=0.0, entropy_coef=0.0)
+  # A previous batch's running statistics: mean 0.2, variance 0.04 (std 0.2).
+  ctl = ctl.replace(reward_mean=jnp.float32(0.2), reward_var=jnp.float32(0.04), reward_seen=jnp.ones((), bool))
+  base = dict(estimator="grpo", group_size=G, max_len=M, use_reference=False)
+  plain, _, _ = make_advantage_fn(AdvantageSettings(**base))(inputs, ctl, coefs)
+  shaped, new_ctl, _ = make_advantage_fn(AdvantageSettings(**base, shape_rewards=True, reward_ema=True))(
+    inputs, ctl, coefs
+  )
+  mean, var = float(new_ctl.reward_mean), float(new_ctl.reward_var)
+  assert mean == pytest.approx(0.9 * 0.2 + 0.1 * 0.5) and var == pytest.approx(0.9 * 0.04 + 0.1 * 0.25)
+  centred = rewards.reshape(-1, G) - rewards.reshape(-1, G).mean(axis=1, keepdims=True)
+  expected = (centred.reshape(-1) / (np.sqrt(var) + 1e-6))[:, None] * np.ones((1, M))
+  np.testing.assert_allclose(np.asarray(shaped.advantages), expected, rtol=1e-4)
+  assert not np.allclose(np.asarray(shaped.advantages), np.asarray(plain.advantages), rtol=1e-2)

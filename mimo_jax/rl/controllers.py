@@ -119,14 +119,30 @@ def adaptive_entropy_coef(
 
 
 def quantile_clip(x: ArrayLike, low: float, high: float) -> jax.Array:
-  """Clips ``x`` [B] to its own ``low`` and ``high`` quantiles (linear interpolation).
+  """Clips ``x`` [B] to the ``low`` and ``high`` quantiles of its distinct values (linear interpolation).
 
+  On continuous values (no ties) these are the batch's own quantiles: an outlier is pulled in.
+  Ties mark discrete levels (a verifier's 0/1, a rubric's grades): every level then counts once,
+  so a level present in the batch is never clipped onto another one.  Plain quantiles would
+  erase every success of a batch where fewer than ``1 - high`` of the samples succeed (the 95%
+  quantile of 97 zeros and 3 ones is 0), the hard prompts where they matter most.
   ``low = 0, high = 1`` is the identity.
   """
   x = jnp.asarray(x, jnp.float32)
   chex.assert_rank(x, 1)
-  lo, hi = jnp.quantile(x, jnp.asarray([low, high], jnp.float32))
-  return jnp.clip(x, lo, hi)
+  ordered = jnp.sort(x)
+  first = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
+  distinct = jnp.sort(jnp.where(first, ordered, jnp.inf))  # the distinct values first, in order
+  n = jnp.sum(first)
+
+  def quantile(q: float) -> jax.Array:
+    pos = q * (n - 1).astype(jnp.float32)
+    i = jnp.floor(pos).astype(jnp.int32)
+    j = jnp.minimum(i + 1, n - 1)
+    frac = pos - i.astype(jnp.float32)
+    return distinct[i] + frac * (distinct[j] - distinct[i])
+
+  return jnp.clip(x, quantile(low), quantile(high))
 
 
 def ema_moments(

@@ -175,6 +175,7 @@ def advantage_settings(cfg: Config) -> AdvantageSettings:
     overlong=a.overlong,
     overlong_buffer=a.overlong_buffer,
     shape_rewards=a.shapes_rewards,
+    reward_ema=a.reward_ema > 0,
     reward_clip_low=a.reward_clip_low,
     reward_clip_high=a.reward_clip_high,
     kl_estimator=a.kl_estimator,

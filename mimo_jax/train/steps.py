@@ -228,6 +228,9 @@ class AdvantageSettings:
     overlong_buffer: width of the soft-penalty zone in tokens.
     shape_rewards: quantile-clip and EMA-standardise the rewards (advantage path only).
     reward_clip_low, reward_clip_high: the clipping quantiles.
+    reward_ema: the shaping standardises with running (EMA) statistics.  GRPO then centres each
+      group and divides by the running std instead of the group's own: the standardisation is an
+      affine map of the whole batch, which a per-group std division would cancel exactly.
     kl_estimator: estimator of the per-token KL used in the reward and in the metrics' tails.
     use_reference: whether there is a reference policy; without one the reference log-probs are
       zeros, so no KL to it is computed or logged (``kl_prompt_*`` would measure against zeros).
@@ -242,6 +245,7 @@ class AdvantageSettings:
   shape_rewards: bool = False
   reward_clip_low: float = 0.0
   reward_clip_high: float = 1.0
+  reward_ema: bool = False
   kl_estimator: str = "k1"
   use_reference: bool = True
   gamma: float = 0.99
@@ -345,7 +349,10 @@ def make_advantage_fn(settings: AdvantageSettings):
       metrics["return_mean"] = masked_mean(returns, mask)
     else:
       seq_rewards = rewards - coefs.kl_reward_coef * jnp.sum(kl_tok, axis=1)
-      seq_adv = group_advantages(seq_rewards, s.group_size, mode=s.estimator)
+      # With EMA standardisation GRPO's scale is the running std (the rewards are already divided by
+      # it): centring alone; the group's own std would undo the shaping.
+      mode = "drgrpo" if s.estimator == "grpo" and s.shape_rewards and s.reward_ema else s.estimator
+      seq_adv = group_advantages(seq_rewards, s.group_size, mode=mode)
       adv = jnp.where(loss_mask, seq_adv[:, None], 0.0)
       returns = jnp.zeros_like(adv)
     grouped = raw.reshape(-1, s.group_size)
