@@ -20,9 +20,9 @@ class TrainState(flax.struct.PyTreeNode):
   Attributes:
     step: int32, optimizer updates applied (skipped non-finite updates do not count).
     params: the state half of ``nnx.split(model)`` (parameters only).
-    opt_state: the optax state.
+    opt_state: the optax state of :func:`make_optimizer` (its ``apply_if_finite`` counts the
+      updates skipped because the loss or gradients were not finite: :attr:`skipped`).
     rng: PRNG key threaded through the steps.
-    skipped: int32, updates skipped because the loss or gradients were not finite.
     lr_scale: float32 multiplier on every update (lowered by a non-finite rollback).
     controllers: the RL controllers' state (``rl.controllers.ControllerState``; None in SFT).
     master: the optimizer's higher-precision copy of ``params`` (mixed precision), or None when
@@ -37,7 +37,6 @@ class TrainState(flax.struct.PyTreeNode):
   params: Any
   opt_state: Any
   rng: jax.Array
-  skipped: jax.Array
   lr_scale: jax.Array
   graphdef: Any = flax.struct.field(pytree_node=False)
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
@@ -75,7 +74,6 @@ class TrainState(flax.struct.PyTreeNode):
       params=params,
       opt_state=init_opt_state(tx, params if master is None else master),
       rng=rng,
-      skipped=jnp.zeros((), jnp.int32),
       lr_scale=jnp.ones((), jnp.float32),
       graphdef=graphdef,
       tx=tx,
@@ -86,6 +84,11 @@ class TrainState(flax.struct.PyTreeNode):
 
   def model(self) -> nnx.Module:
     return nnx.merge(self.graphdef, self.params)
+
+  @property
+  def skipped(self) -> jax.Array:
+    """int32, updates skipped because the loss or gradients were not finite."""
+    return self.opt_state.total_notfinite
 
 
 def master_copy(params: Any, dtype: Any) -> Any:
@@ -178,26 +181,160 @@ def _decay_mask(params):
   return jax.tree_util.tree_map_with_path(decide, params)
 
 
+# Layout of the optimizer state inside checkpoints (``optimizer_layout`` of their metadata):
+# 1: the bare ``optax.chain([clip_by_global_norm], adamw)`` state of earlier releases, the skip
+#    counter beside it (read by :func:`legacy_optimizer` and :func:`upgrade_opt_state`);
+# 2: the guarded chain of :func:`make_optimizer`.
+OPTIMIZER_LAYOUT = 2
+# apply_if_finite accepts an update after this many consecutive non-finite ones; the trainer
+# never wants that (its own guard rolls back instead), so the bound is the counter's maximum.
+_NEVER_GIVE_UP = int(jnp.iinfo(jnp.int32).max)
+
+
+def clip_by_global_norm(max_norm: Any) -> optax.GradientTransformation:
+  """Scales the updates by ``min(1, max_norm / global_norm)`` (``inf``: unclipped), keeping each leaf's dtype.
+
+  ``optax.clip_by_global_norm`` mixes an injected float32 threshold into bfloat16 leaves and fails
+  (``lax.select`` of two dtypes); this is the same transformation, dtype-preserving.
+  """
+
+  def update(updates, state, params=None):
+    del params
+    norm = optax.tree.norm(updates)
+    scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
+    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def _clipped_adamw(
+  learning_rate: Any,
+  lr_mult: Any,
+  clip_norm: Any,
+  b1: Any,
+  b2: Any,
+  weight_decay: Any,
+  mask: Any,
+) -> optax.GradientTransformation:
+  """Global-norm clip at ``clip_norm`` (``inf``: off), then AdamW at ``learning_rate * lr_mult``; the
+  updates keep the parameters' dtypes (the injected float32 rate would promote bfloat16 ones)."""
+  return optax.chain(
+    clip_by_global_norm(clip_norm),
+    optax.adamw(learning_rate * lr_mult, b1=b1, b2=b2, weight_decay=weight_decay, mask=mask),
+    _like_params(),
+  )
+
+
+def _like_params() -> optax.GradientTransformation:
+  def update(updates, state, params=None):
+    return jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def guard(factory: Any, static: tuple[str, ...] = (), **hyperparams: Any) -> optax.GradientTransformation:
+  """``apply_if_finite(inject_hyperparams(factory)(**hyperparams))``: the trainers' optimizer form.
+
+  ``factory`` must take ``lr_mult`` and ``clip_norm`` (what :func:`apply_gradients` injects each
+  update); callables among ``hyperparams`` are schedules of the count of applied updates.
+  ``static`` names the ones passed through as they are (constants such as Adam's betas, which as
+  float32 arrays would promote bfloat16 moments, and callables that are not schedules).
+  """
+  inner = optax.inject_hyperparams(factory, static_args=static, hyperparam_dtype=jnp.float32)(**hyperparams)
+  return optax.apply_if_finite(inner, _NEVER_GIVE_UP)
+
+
+def _clipped_sgd(learning_rate: Any, lr_mult: Any, clip_norm: Any) -> optax.GradientTransformation:
+  return optax.chain(clip_by_global_norm(clip_norm), optax.sgd(learning_rate * lr_mult), _like_params())
+
+
+def sgd(learning_rate: float, clip_norm: float = float("inf")) -> optax.GradientTransformation:
+  """Guarded plain SGD (linear in the gradient: tests that compare gradients through an update)."""
+  return guard(_clipped_sgd, learning_rate=learning_rate, lr_mult=1.0, clip_norm=clip_norm)
+
+
 def make_optimizer(
-  cfg: OptimConfig, total_steps: int, *, peak: float | None = None, clip: bool = True, constant: bool = False
+  cfg: OptimConfig, total_steps: int, *, peak: float | None = None, constant: bool = False
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW with the configured schedule and global-norm clipping; returns ``(tx, schedule)``.
+  """The one optimizer of every trainer (SFT, RL policy, critic, reward model, dry run).
+
+  ``apply_if_finite(inject_hyperparams(clip -> adamw))`` (:func:`guard`): the learning rate follows
+  the schedule (evaluated by ``inject_hyperparams`` at the count of applied updates); ``lr_mult`` (a
+  controller's LR shape times a rollback's scale) and ``clip_norm`` (fixed or LR-linked) are
+  injected hyperparameters a step sets in the state before each update (:func:`apply_gradients`);
+  an update whose gradients are not finite is dropped by ``apply_if_finite``, which keeps every
+  inner state (moments, counts) as it was and counts the skip.
 
   Args:
-    cfg: the optimizer config.
+    cfg: the optimizer config (``grad_clip`` 0 means no clipping).
     total_steps: updates the schedule spans.
     peak: peak learning rate (default ``cfg.learning_rate``).
-    clip: include the static global-norm clip (False when the caller clips dynamically,
-      see :func:`apply_gradients`).
     constant: a constant schedule at the peak (when a controller shapes the LR instead).
+
+  Returns:
+    ``(tx, schedule)``.
   """
   schedule = optax.constant_schedule(peak or cfg.learning_rate) if constant else None
   schedule = schedule or learning_rate_schedule(cfg, total_steps, peak=peak)
-  parts = []
-  if clip and cfg.grad_clip > 0:
-    parts.append(optax.clip_by_global_norm(cfg.grad_clip))
-  parts.append(optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay, mask=_decay_mask))
-  return optax.chain(*parts), schedule
+  tx = guard(
+    _clipped_adamw,
+    static=("b1", "b2", "weight_decay", "mask"),
+    learning_rate=schedule,
+    lr_mult=1.0,
+    clip_norm=float(cfg.grad_clip) if cfg.grad_clip > 0 else float("inf"),
+    b1=cfg.adam_b1,
+    b2=cfg.adam_b2,
+    weight_decay=cfg.weight_decay,
+    mask=_decay_mask,
+  )
+  return tx, schedule
+
+
+def hyperparams(opt_state: Any) -> dict[str, jax.Array]:
+  """The injected hyperparameters last used (``learning_rate``, ``lr_mult``, ``clip_norm``, ...)."""
+  return opt_state.inner_state.hyperparams
+
+
+def abstract_opt_state(tx: optax.GradientTransformation, target: Any) -> Any:
+  """``ShapeDtypeStruct``s of ``tx.init(target)``, laid out as :func:`init_opt_state` lays it out."""
+  shardings = opt_state_shardings(tx, target)
+  abstract = jax.eval_shape(tx.init, target)
+  if shardings is None:
+    return abstract
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
+
+
+def legacy_abstract_opt_state(target: Any, *, clip: bool) -> Any:
+  """The restore target of a layout-1 optimizer state: the bare ``chain([clip], adamw)`` state (its
+  structure does not depend on the hyperparameter values).  The RL policy's chain had no clip (it
+  was applied outside); SFT's and the critic's had one when ``grad_clip`` > 0."""
+  parts = [optax.clip_by_global_norm(1.0)] if clip else []
+  return abstract_opt_state(optax.chain(*parts, optax.adamw(optax.constant_schedule(1.0), mask=_decay_mask)), target)
+
+
+def upgrade_opt_state(tx: optax.GradientTransformation, target: Any, legacy: Any, skipped: jax.Array) -> Any:
+  """A layout-1 optimizer state (``legacy``, the bare chain's) as ``tx``'s state for ``target``: Adam's
+  moments and count, the schedule's count, and the skip counter carry over; everything else is fresh.
+
+  Every array of the result is its own buffer (the state is donated to the next step, and a buffer
+  donated twice is not allowed).
+  """
+  fresh = init_opt_state(tx, target)
+  adam, _, schedule = legacy[-1]
+  inject = fresh.inner_state
+  clip_state, adamw_state, *rest = inject.inner_state
+
+  def count():
+    return jnp.copy(schedule.count)
+
+  new_inject = inject._replace(
+    count=count(),
+    hyperparams_states={
+      k: (v._replace(count=count()) if hasattr(v, "count") else v) for k, v in inject.hyperparams_states.items()
+    },
+    inner_state=(clip_state, (adam, *adamw_state[1:]), *rest),
+  )
+  return fresh._replace(inner_state=new_inject, total_notfinite=jnp.copy(jnp.asarray(skipped, jnp.int32)))
 
 
 def apply_gradients(
@@ -208,44 +345,40 @@ def apply_gradients(
   lr_mult: jax.Array | None = None,
   clip_norm: jax.Array | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-  """Applies ``grads`` unless the loss or any gradient is non-finite.
+  """One guarded optimizer update: skipped (by the optimizer's ``apply_if_finite``) unless the loss
+  and every gradient are finite.
 
-  A non-finite update leaves parameters *and* optimizer state untouched (so a NaN never
-  reaches the weights or Adam's moments) and is counted in ``state.skipped``.  With a master
-  copy (``state.master``) the gradients are cast to its dtype, the update is applied to it, and
-  the parameters become its cast to their own dtypes.
+  A skipped update leaves parameters *and* optimizer state untouched (so a NaN never reaches the
+  weights or Adam's moments) and is counted (``state.skipped``).  With a master copy
+  (``state.master``) the gradients are cast to its dtype, the update is applied to it, and the
+  parameters become its cast to their own dtypes.
 
   Args:
     state: the train state.
     grads: gradients shaped like ``state.params``.
     loss: the loss they came from (checked for finiteness).
-    lr_mult: optional dynamic multiplier of the update (a controller's LR shape), on top of
-      ``state.lr_scale``; AdamW's update is linear in the learning rate, so this equals
-      scaling the learning rate.
-    clip_norm: optional dynamic global-norm clip threshold applied before the optimizer
-      (e.g. linked to the LR); ``inf`` disables it.
+    lr_mult: optional dynamic multiplier of the learning rate (a controller's LR shape), on top of
+      ``state.lr_scale``; injected as the optimizer's ``lr_mult``.
+    clip_norm: optional dynamic global-norm clip threshold (e.g. linked to the LR; ``inf``: off),
+      injected as the optimizer's ``clip_norm``; None keeps the configured one.
 
   Returns:
     The new state and metrics ``grad_norm`` (before clipping), ``update_norm``, ``skipped``
     (0/1 this call).
   """
   grad_norm = optax.tree.norm(grads)
-  finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
-  scale = jnp.ones((), jnp.float32)
-  if clip_norm is not None:
-    scale = jnp.minimum(1.0, clip_norm / jnp.maximum(grad_norm, 1e-12))
   target = state.params if state.master is None else state.master
-  grads = jax.tree.map(lambda g, t: g.astype(t.dtype), grads, target)
-  safe_grads = jax.tree.map(lambda g: jnp.where(finite, g * scale.astype(g.dtype), jnp.zeros_like(g)), grads)
-  updates, new_opt = state.tx.update(safe_grads, state.opt_state, target)
-  lr = state.lr_scale if lr_mult is None else state.lr_scale * lr_mult
-  updates = jax.tree.map(lambda u: (u * lr).astype(u.dtype), updates)
+  # A non-finite loss with finite gradients is skipped as well: the optimizer sees a NaN.
+  poison = jnp.where(jnp.isfinite(loss), 0.0, jnp.nan)
+  grads = jax.tree.map(lambda g, t: (g + poison.astype(g.dtype)).astype(t.dtype), grads, target)
+  hp = dict(hyperparams(state.opt_state))
+  hp["lr_mult"] = (state.lr_scale if lr_mult is None else state.lr_scale * lr_mult).astype(jnp.float32)
+  if clip_norm is not None:
+    hp["clip_norm"] = jnp.asarray(clip_norm, jnp.float32)
+  opt_state = state.opt_state._replace(inner_state=state.opt_state.inner_state._replace(hyperparams=hp))
+  updates, new_opt = state.tx.update(grads, opt_state, target)
+  finite = new_opt.last_finite
   new_target = optax.apply_updates(target, updates)
-
-  def keep(new, old):
-    return jnp.where(finite, new, old)
-
-  new_target = jax.tree.map(keep, new_target, target)
   if state.master is None:
     new_params, new_master = new_target, None
   else:
@@ -254,12 +387,11 @@ def apply_gradients(
     step=state.step + finite.astype(jnp.int32),
     params=new_params,
     master=new_master,
-    opt_state=jax.tree.map(keep, new_opt, state.opt_state),
-    skipped=state.skipped + (~finite).astype(jnp.int32),
+    opt_state=new_opt,
   )
   metrics = {
     "grad_norm": grad_norm,
-    "update_norm": jnp.where(finite, optax.tree.norm(updates), 0.0),
+    "update_norm": optax.tree.norm(updates),
     "skipped": (~finite).astype(jnp.float32),
   }
   return new_state, metrics

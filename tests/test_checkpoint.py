@@ -74,8 +74,9 @@ def test_checkpoint_metadata_matches_the_schema(finished_run):
   assert all(b["status"] == "consumed" for b in batches)
   assert {"greedy_accuracy", "pass@1"} <= set(meta["warm_start"])
   assert "params/decoder/embed_vd/value" in meta["fingerprint"]
-  with pytest.raises(ckpt_schema.SchemaError, match="schema version 2 is not readable"):
-    ckpt_schema.validate({**meta, "schema_version": 2})
+  assert meta["schema_version"] == 2 and meta["optimizer_layout"] == 2
+  with pytest.raises(ckpt_schema.SchemaError, match="schema version 3 is not readable"):
+    ckpt_schema.validate({**meta, "schema_version": 3})
   broken = dict(meta)
   del broken["buffer"]
   with pytest.raises(ckpt_schema.SchemaError, match="missing required field 'buffer'"):
@@ -105,6 +106,62 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(finished_run, tmp_p
   out = capsys.readouterr().out
   assert "checkpoint 13" in out and "falling back" in out
   assert restored.phase == "rl" and restored.step == 5  # checkpoint 12
+
+
+# A run written by the release before the guarded optimizer (checkpoint metadata version 1: each
+# optimizer state the bare optax chain's, the skip counter beside it): PPO with a critic, these flags,
+# checkpoints every 3 steps; kept are RL step 3 (checkpoint 10), the reference and the run's own
+# uninterrupted metrics (steps -1..7).
+LAYOUT1_DIR = os.path.join(ROOT, "tests", "data", "layout1_ppo")
+LAYOUT1 = [
+  *[f for f in SMALL if not f.startswith("--checkpoint_every")],
+  "--checkpoint_every=3",
+  "--advantage=gae",
+  "--use_value_model",
+  "--value_warmup_steps=1",
+  "--value_learning_rate=1e-3",
+  "--learning_rate=2e-4",
+]
+
+
+def test_a_checkpoint_of_optimizer_layout_1_resumes_with_its_optimizer_state(tmp_path, capsys):
+  from mimo_jax.train.loop import RLRun
+
+  run_dir = tmp_path / "layout1_ppo"
+  shutil.copytree(LAYOUT1_DIR, run_dir)
+  ckpt = Checkpointer(str(run_dir / "checkpoints"), async_save=False)
+  meta, old = ckpt.read_meta(10), ckpt.restore_untyped(10)
+  ckpt.close()
+  assert meta["schema_version"] == 2 and meta["optimizer_layout"] == 1  # upgraded from version 1 on reading
+  run = RLRun(parse_config(["prog", *LAYOUT1, f"--run_dir={run_dir}"]), str(run_dir))
+  restored = run.restore()
+  run.close()
+  assert restored.phase == "rl" and restored.step == 3
+  # Every array carries over: Adam's moments and count, the schedule's count, the skip counter, the weights.
+  for state, legacy, adam_at in ((restored.state.policy, old, 0), (restored.state.value, old["value"], 1)):
+    adam_old, _, schedule_old = legacy["opt_state"][adam_at]
+    opt = state.opt_state
+    adam = opt.inner_state.inner_state[1][0]
+    assert int(adam.count) == int(adam_old["count"]) == int(legacy["step"])
+    for new, before in ((adam.mu, adam_old["mu"]), (adam.nu, adam_old["nu"]), (state.params, legacy["params"])):
+      for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(opt.inner_state.count) == int(schedule_old["count"])
+    assert [int(h.count) for h in opt.inner_state.hyperparams_states.values()] == [int(schedule_old["count"])]
+    assert int(state.skipped) == int(legacy["skipped"])
+  # The run continues from it, under the new layout, as the release that wrote it continued (the same
+  # updates up to float rounding: the learning rate now multiplies once, not twice).
+  assert main(["prog", *LAYOUT1, f"--run_dir={run_dir}"]) == 0
+  assert "resumed from rl step 3" in capsys.readouterr().out
+  before = {r["step"]: r for r in kill_resume.load_metrics(LAYOUT1_DIR)}
+  after = {r["step"]: r for r in _metrics(run_dir)}
+  assert sorted(after) == sorted(before)
+  for step in (4, 5, 6):
+    for key in ("lr", "loss", "pg_loss", "value_loss", "grad_norm", "reward_mean", "entropy"):
+      np.testing.assert_allclose(after[step][key], before[step][key], rtol=2e-3, atol=1e-6, err_msg=f"{key} at {step}")
+  ckpt = Checkpointer(str(run_dir / "checkpoints"), async_save=False)
+  assert ckpt.read_meta(ckpt.all_steps()[-1])["optimizer_layout"] == 2
+  ckpt.close()
 
 
 def test_rollback_to_replays_identically(finished_run, tmp_path, capsys):

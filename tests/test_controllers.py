@@ -3,7 +3,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from mimo_jax.rl import controllers as C
@@ -252,17 +251,16 @@ def test_apply_gradients_clip_norm_and_lr_mult():
   params = {"w": jnp.zeros(4)}
   grads = {"w": jnp.array([6.0, 8.0, 0.0, 0.0])}  # norm 10
 
-  from mimo_jax.optim import TrainState
+  from mimo_jax.optim import TrainState, sgd
 
   state = TrainState(
     step=jnp.int32(0),
     params=params,
-    opt_state=optax.sgd(1.0).init(params),
+    opt_state=sgd(1.0).init(params),
     rng=jax.random.key(0),
-    skipped=jnp.int32(0),
     lr_scale=jnp.float32(1.0),
     graphdef=None,
-    tx=optax.sgd(1.0),
+    tx=sgd(1.0),
   )
   new, m = apply_gradients(state, grads, jnp.float32(0), clip_norm=jnp.float32(1.0))
   np.testing.assert_allclose(new.params["w"], [-0.6, -0.8, 0, 0], rtol=1e-6)

@@ -98,10 +98,10 @@ def test_bf16_with_an_f32_master_learns_like_f32_and_bf16_alone_does_not():
 
 def test_a_non_finite_update_leaves_the_master_copy_untouched():
   _, _, state, _, _ = _train("bfloat16", "float32")  # (apply_gradients below does not donate it)
-  before = jax.tree.map(np.asarray, (state.params, state.master, state.opt_state))
+  before = jax.tree.map(np.asarray, (state.params, state.master, state.opt_state.inner_state))
   grads = jax.tree.map(lambda p: jnp.full(p.shape, jnp.nan, p.dtype), state.params)
   state, metrics = apply_gradients(state, grads, jnp.float32(1.0))
   assert float(metrics["skipped"]) == 1.0 and int(state.skipped) == 1
-  after = jax.tree.map(np.asarray, (state.params, state.master, state.opt_state))
+  after = jax.tree.map(np.asarray, (state.params, state.master, state.opt_state.inner_state))
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
     np.testing.assert_array_equal(a, b)

@@ -8,12 +8,12 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 from mimo_jax.models import Transformer, ValueModel
 from mimo_jax.models.config import tiny
+from mimo_jax.optim import sgd
 from mimo_jax.rewards.base import RewardSample
 from mimo_jax.rewards.reward_model import (
   CHECKPOINT_SUBDIR,
@@ -238,7 +238,7 @@ def test_sharded_training_matches_single_device(arith):
     buckets=BUCKETS,
     max_completion_len=M,
     seed=3,
-    optimizer=optax.sgd(0.5),  # linear in the gradient, so parameters compare tightly
+    optimizer=sgd(0.5),  # linear in the gradient, so parameters compare tightly
   )
   _, single, h_single = train_reward_model(train[:64], **common)
   _, sharded, h_sharded = train_reward_model(train[:64], mesh=mesh, **common)

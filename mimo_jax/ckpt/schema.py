@@ -14,8 +14,8 @@ import json
 import os
 from typing import Any
 
-SCHEMA_VERSION = 1
-READABLE_VERSIONS = (1,)
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 _TYPES = {
   "object": dict,
@@ -88,5 +88,9 @@ def validate(meta: dict[str, Any]) -> None:
 def upgrade(meta: dict[str, Any]) -> dict[str, Any]:
   """Validates ``meta`` and converts it to the current schema version."""
   validate(meta)
-  # Only version 1 exists; future versions add their conversions here, oldest first.
-  return dict(meta)
+  meta = dict(meta)
+  # Conversions, oldest first.
+  if meta["schema_version"] == 1:
+    # Version 1 predates the guarded optimizer: its array half holds the bare chain's state.
+    meta.update(schema_version=2, optimizer_layout=1)
+  return meta

@@ -46,7 +46,7 @@ from mimo_jax.config import OptimConfig
 from mimo_jax.models.config import ModelConfig
 from mimo_jax.models.create import abstract_state, create_sharded
 from mimo_jax.models.transformer import Transformer, ValueModel, positions_from_mask
-from mimo_jax.optim import TrainState, apply_gradients, make_optimizer
+from mimo_jax.optim import OPTIMIZER_LAYOUT, TrainState, apply_gradients, make_optimizer
 from mimo_jax.rollout.sampler import bucket_for, left_pad
 
 if TYPE_CHECKING:
@@ -457,6 +457,7 @@ def _save(
     "phase": "sft",
     "step": step,
     "log_step": step,
+    "optimizer_layout": OPTIMIZER_LAYOUT,  # (only the parameters are saved)
     "created_unix": time.time(),
     "config_digest": hashlib.sha1(json.dumps([model_config, info], sort_keys=True).encode()).hexdigest()[:12],
     "model_config": model_config,

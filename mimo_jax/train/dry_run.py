@@ -33,7 +33,7 @@ from mimo_jax import sharding
 from mimo_jax.config import Config
 from mimo_jax.models import Transformer, ValueModel, abstract_state
 from mimo_jax.models.transformer import KV_CACHE_LOGICAL_AXES
-from mimo_jax.optim import TrainState, opt_state_shardings
+from mimo_jax.optim import TrainState, abstract_opt_state
 from mimo_jax.rollout import Sampler, SamplingParams
 from mimo_jax.train.learner import Experience, LearnerState, build_learner, init_controller_state, uses_kl
 
@@ -98,11 +98,7 @@ def _abstract_train_state(graphdef, abs_params, tx, master_dtype: str, mesh) -> 
   if any(jnp.dtype(x.dtype) != dtype for x in jax.tree.leaves(abs_params)):
     master = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding), abs_params)
   target = abs_params if master is None else master
-  abs_opt = jax.tree.map(
-    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-    jax.eval_shape(tx.init, target),
-    opt_state_shardings(tx, target),
-  )
+  abs_opt = abstract_opt_state(tx, target)
   key = jax.eval_shape(lambda: jax.random.key(0))
   scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=replicated)  # noqa: E731
   return TrainState(
@@ -110,7 +106,6 @@ def _abstract_train_state(graphdef, abs_params, tx, master_dtype: str, mesh) -> 
     params=abs_params,
     opt_state=abs_opt,
     rng=jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated),
-    skipped=scalar(jnp.int32),
     lr_scale=scalar(jnp.float32),
     graphdef=graphdef,
     tx=tx,

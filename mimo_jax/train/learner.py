@@ -27,7 +27,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from mimo_jax.config import Config
 from mimo_jax.optim import TrainState, make_optimizer
@@ -248,10 +248,10 @@ def is_correction(cfg: Config) -> str:
 
 
 def rl_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """The policy's RL optimizer: clipping is dynamic (fixed or LR-linked threshold, applied in
-  ``apply_gradients``); with the phase schedule the LR shape comes from the controllers, on a
-  constant base."""
-  return make_optimizer(cfg.optim, max(cfg.run.max_steps, 1), clip=False, constant=cfg.algo.phase_schedule)
+  """The policy's RL optimizer: the clip threshold is injected every update (fixed or LR-linked, from
+  the controllers); with the phase schedule the LR shape comes from the controllers, on a constant
+  base."""
+  return make_optimizer(cfg.optim, max(cfg.run.max_steps, 1), constant=cfg.algo.phase_schedule)
 
 
 def value_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -436,4 +436,44 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
     }
     return new_state, metrics
 
-  return Learner(learn=jax.jit(learn, donate_argnums=(0,)), tx=tx, schedule=schedule, value_tx=value_tx)
+  return Learner(learn=StateLayoutJit(learn), tx=tx, schedule=schedule, value_tx=value_tx)
+
+
+class StateLayoutJit:
+  """``jax.jit(fn, donate_argnums=0)`` for ``fn(state, *args) -> (state, out)`` whose state comes out in
+  the layout it went in.
+
+  Left to itself XLA may lay an output out differently from the donated input it replaces (seen: an
+  Adam moment of a norm scale over 8 devices); the next call then compiles again, and an AOT
+  executable refuses the state it returned.  The layout of the first state given (every leaf's
+  ``sharding``, arrays or ``ShapeDtypeStruct``s) is constrained on the output, so one program serves
+  every step.  Without named shardings (one device, no mesh) nothing is constrained.
+  """
+
+  def __init__(self, fn: Any):
+    self._fn = fn
+    self._jitted = None
+
+  def _jit(self, state: Any) -> Any:
+    if self._jitted is None:
+      layout = [getattr(x, "sharding", None) for x in jax.tree.leaves(state)]
+      fn = self._fn
+      if any(isinstance(s, NamedSharding) for s in layout):
+
+        def fn(state, *args):
+          new_state, out = self._fn(state, *args)
+          leaves, treedef = jax.tree.flatten(new_state)
+          leaves = [
+            jax.lax.with_sharding_constraint(x, s) if isinstance(s, NamedSharding) else x
+            for x, s in zip(leaves, layout, strict=True)
+          ]
+          return jax.tree.unflatten(treedef, leaves), out
+
+      self._jitted = jax.jit(fn, donate_argnums=(0,))
+    return self._jitted
+
+  def __call__(self, state: Any, *args: Any) -> Any:
+    return self._jit(state)(state, *args)
+
+  def lower(self, state: Any, *args: Any) -> Any:
+    return self._jit(state).lower(state, *args)

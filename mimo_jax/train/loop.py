@@ -30,7 +30,15 @@ from mimo_jax.config import Config
 from mimo_jax.config_base import ConfigError
 from mimo_jax.eval.evaluator import default_ks, eval_rows, evaluate_policy
 from mimo_jax.models import Transformer, ValueModel, create_sharded, load_hf
-from mimo_jax.optim import TrainState, commit_like_params, init_opt_state, make_optimizer
+from mimo_jax.optim import (
+  OPTIMIZER_LAYOUT,
+  TrainState,
+  commit_like_params,
+  init_opt_state,
+  legacy_abstract_opt_state,
+  make_optimizer,
+  upgrade_opt_state,
+)
 from mimo_jax.rewards.base import RewardSource
 from mimo_jax.rewards.task_rewards import build_task_reward
 from mimo_jax.rollout import FINISH_LENGTH, Sampler
@@ -60,7 +68,9 @@ def resolve_run_dir(cfg: Config) -> str:
 
 
 def _reset_optimizer(policy: TrainState) -> TrainState:
-  return policy.replace(opt_state=init_opt_state(policy.tx, policy.params if policy.master is None else policy.master))
+  """A fresh optimizer state (moments, schedule); the count of skipped updates carries over."""
+  fresh = init_opt_state(policy.tx, policy.params if policy.master is None else policy.master)
+  return policy.replace(opt_state=fresh._replace(total_notfinite=policy.opt_state.total_notfinite))
 
 
 # ----------------------------------------------------------------------------
@@ -269,7 +279,6 @@ class RLRun:
       "params": state.params,
       "opt_state": state.opt_state,
       "step": state.step,
-      "skipped": state.skipped,
       "lr_scale": state.lr_scale,
       "rng": jax.random.key_data(state.rng),
     }
@@ -279,15 +288,41 @@ class RLRun:
 
   @staticmethod
   def _state_from_tree(template: TrainState, tree: dict[str, Any]) -> TrainState:
+    opt_state = tree["opt_state"]
+    if "skipped" in tree:  # optimizer layout 1 (see _legacy_target)
+      target = tree.get("master", tree["params"])
+      opt_state = upgrade_opt_state(template.tx, target, opt_state, tree["skipped"])
     return template.replace(
       params=tree["params"],
-      opt_state=tree["opt_state"],
+      opt_state=opt_state,
       step=tree["step"],
-      skipped=tree["skipped"],
       lr_scale=tree["lr_scale"],
       rng=jax.random.wrap_key_data(tree["rng"]),
       master=tree.get("master"),
     )
+
+  def _target(self, template: TrainState | LearnerState, meta: dict[str, Any]) -> dict[str, Any]:
+    """The restore target of a checkpoint with metadata ``meta``, in the optimizer layout it was written in."""
+    tree = self._tree(template)
+    if meta.get("optimizer_layout", 1) == 1:
+      tree = self._legacy_target(template, tree, meta["phase"])
+    return abstract_like(tree, self.mesh)
+
+  def _legacy_target(self, template: TrainState | LearnerState, tree: dict[str, Any], phase: str) -> dict[str, Any]:
+    """Optimizer layout 1 (checkpoints of earlier releases): each optimizer state is the bare optax chain's,
+    with the skip counter beside it; ``_state_from_tree`` upgrades it."""
+
+    def legacy(state: TrainState, sub: dict[str, Any], clip: bool) -> dict[str, Any]:
+      target = state.params if state.master is None else state.master
+      return {**sub, "opt_state": legacy_abstract_opt_state(target, clip=clip), "skipped": state.step}
+
+    clip = self.cfg.optim.grad_clip > 0
+    if not isinstance(template, LearnerState):
+      return legacy(template, tree, clip=clip and phase == "sft")
+    tree = legacy(template.policy, tree, clip=False)  # the RL policy's clip was applied outside its chain
+    if "value" in tree:
+      tree["value"] = legacy(template.value, tree["value"], clip=clip)
+    return tree
 
   def _tree(self, state: TrainState | LearnerState, loop_key: np.ndarray | None = None) -> dict[str, Any]:
     """The checkpointed arrays: the policy state, the controllers and the critic's state (RL), the loop key
@@ -325,7 +360,7 @@ class RLRun:
   def _meta(
     self, phase: str, step: int, log_step: int, *, policy_version: int, rollout: dict[str, Any] | None
   ) -> dict[str, Any]:
-    """Checkpoint metadata (``checkpoints_schema/checkpoint_meta.v1.json``); ``rollout`` None: without the
+    """Checkpoint metadata (``checkpoints_schema/checkpoint_meta.v2.json``); ``rollout`` None: without the
     rollout side's data state (the reference's metadata)."""
     with_data = rollout is not None
     rollout = rollout if rollout is not None else self.worker.host_state(with_data=False)
@@ -336,6 +371,7 @@ class RLRun:
       "phase": phase,
       "step": step,
       "log_step": log_step,
+      "optimizer_layout": OPTIMIZER_LAYOUT,
       "created_unix": time.time(),
       "config_digest": digest(self.cfg.to_dict()),
       "model_config": json.loads(json.dumps(dataclasses.asdict(self.model_cfg))),
@@ -393,7 +429,7 @@ class RLRun:
       phase = meta["phase"]
       if phase not in templates:
         templates[phase] = self.fresh_state(phase)
-      return abstract_like(self._tree(templates[phase]), self.mesh)
+      return self._target(templates[phase], meta)
 
     found = self.ckpt.restore_latest(target, at_most=at_most)
     if found is None:
@@ -626,7 +662,7 @@ class RLRun:
       self.rollout.stop()  # its batches came from the policy being rolled back; restarted at the next step
     self.ckpt.wait()
     found = self.ckpt.restore_latest(
-      lambda meta: abstract_like(self._tree(state), self.mesh), at_most=self.global_step("rl", self.last_good_step)
+      lambda meta: self._target(state, meta), at_most=self.global_step("rl", self.last_good_step)
     )
     if found is None:
       raise RuntimeError(f"{self.bad_steps} consecutive non-finite steps and no checkpoint to roll back to")
