@@ -183,7 +183,7 @@ def _decay_mask(params):
 
 # Layout of the optimizer state inside checkpoints (``optimizer_layout`` of their metadata):
 # 1: the bare ``optax.chain([clip_by_global_norm], adamw)`` state of earlier releases, the skip
-#    counter beside it (read by :func:`legacy_optimizer` and :func:`upgrade_opt_state`);
+#    counter beside it (restored through :func:`legacy_abstract_opt_state` and :func:`upgrade_opt_state`);
 # 2: the guarded chain of :func:`make_optimizer`.
 OPTIMIZER_LAYOUT = 2
 # apply_if_finite accepts an update after this many consecutive non-finite ones; the trainer
