@@ -3,8 +3,12 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# libtpu for --dry_run_topology's compile-only TPU topologies, kept off the import path so that JAX on
+# this host still starts on its CPU (or GPU) without probing for a TPU (see mimo_jax/topology.py).
+TPU_COMPILE := $(VENV)/libtpu-compile
+TPU_STAMP := $(TPU_COMPILE)/.installed
 
-.PHONY: setup run test lint format clean
+.PHONY: setup run test tpu-compile lint format clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -12,12 +16,18 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+$(TPU_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(TPU_COMPILE) "$$($(PY) -c 'from mimo_jax.topology import LIBTPU_REQUIREMENT as r; print(r)')"
+	touch $(TPU_STAMP)
+
 setup: $(STAMP)
+
+tpu-compile: $(TPU_STAMP)
 
 run: $(STAMP)
 	$(PY) -m mimo_jax.main --flagfile=experiments/grpo_tiny.flags
 
-test: $(STAMP)
+test: $(STAMP) $(TPU_STAMP)
 	$(PY) -m pytest -q --durations=25
 
 lint: $(STAMP)

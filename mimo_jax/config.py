@@ -147,6 +147,18 @@ class AlgoConfig:
     "Training log-probs/entropy: the fused streaming kernel (no [tokens, vocab] logits), or full logits.",
     choices=("fused", "full"),
   )
+  reference_dtype: str = field(
+    "",
+    "How the frozen reference is stored: '' (like the policy), float32, bfloat16, or int8 (weight-only, one "
+    "scale per output channel, dequantised in the score pass).",
+    choices=("", "float32", "bfloat16", "int8"),
+  )
+  reference_offload: str = field(
+    "none",
+    "Where the frozen reference lives: none (device memory) or host (host memory, copied to the devices for "
+    "the score pass).",
+    choices=("none", "host"),
+  )
   # ---- KL to the reference: where it acts and how its coefficient is controlled
   kl_in: str = field(
     "loss", "Where the KL penalty acts: in the loss or subtracted from the reward.", choices=("loss", "reward")
@@ -426,12 +438,26 @@ class RunConfig:
   eval_samples: int = field(8, "Samples per held-out prompt for pass@k (k = 1 and this number).", ge=1)
   eval_temperature: float = field(1.0, "Sampling temperature of the pass@k evaluation.", gt=0)
   dry_run: bool = field(False, "Build and AOT-compile everything abstractly, print memory, exit.")
+  dry_run_topology: str = field(
+    "",
+    "--dry_run: compile for this pod or node instead of this host's devices: <gen>-<n> TPU slices "
+    "(v4, v5p, v5e, v6e; e.g. v5p-128), compiled by XLA:TPU through libtpu's compile-only topologies "
+    "(the tpu extra), or gpu-8x80gb / gpu-8x141gb (the CPU compiler over 8 devices; approximate).",
+  )
+  dry_run_headroom: float = field(
+    0.1, "--dry_run_topology: share of each device's memory to keep free; less is refused as not fitting.", ge=0, lt=1
+  )
   debug_nan_steps: tuple[int, ...] = field(
     (), "Fault injection for tests: RL steps (comma-separated) whose advantages are NaN.", items=int, ge=1, min_length=0
   )
 
   def __post_init__(self):
     check_fields(self)
+    if self.dry_run_topology:
+      from mimo_jax.topology import parse_topology
+
+      parse_topology(self.dry_run_topology)
+      check(self.dry_run, "dry_run_topology", self.dry_run_topology, "needs --dry_run (it only compiles)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,6 +505,21 @@ def validate(cfg: Config, num_devices: int) -> None:
   learner's mesh over the other ``num_devices - K``.
   """
   r = cfg.rollout
+  if cfg.mesh.num_processes > 1:
+    # The async producer issues its programs from a thread of its own, so the processes' collectives
+    # would not run in one order; a reward model scores each host's rows with a program of the global mesh.
+    check(
+      not r.async_rollout,
+      "async_rollout",
+      r.async_rollout,
+      f"is not supported with --num_processes={cfg.mesh.num_processes} yet; use synchronous rollout",
+    )
+    check(
+      not cfg.data.reward_model,
+      "reward_model",
+      cfg.data.reward_model,
+      f"is not supported with --num_processes={cfg.mesh.num_processes} yet",
+    )
   if r.rollout_devices:
     check(
       r.rollout_devices < num_devices,

@@ -244,7 +244,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mimo_jax.sharding import initialize_distributed
 
     initialize_distributed(cfg.mesh)  # multi-host pods: before any device is touched
-    validate(cfg, jax.device_count())
+    num_devices = jax.device_count()
+    if cfg.run.dry_run_topology:  # compiled for a named pod or node, not for this host's devices
+      from mimo_jax.topology import parse_topology
+
+      topo = parse_topology(cfg.run.dry_run_topology)
+      if topo.platform == "gpu" and jax.config.jax_num_cpu_devices < topo.devices:
+        jax.config.update("jax_num_cpu_devices", topo.devices)  # the node's GPUs, stood in for by CPU devices
+      num_devices = topo.devices
+    validate(cfg, num_devices)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

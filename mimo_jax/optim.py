@@ -11,6 +11,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from mimo_jax import multihost
 from mimo_jax.config import OptimConfig
 
 
@@ -114,7 +115,7 @@ def commit_like_params(tree: Any, params: Any) -> Any:
     replicated = NamedSharding(first.mesh, PartitionSpec())
 
     def place(x):
-      return x if isinstance(getattr(x, "sharding", None), NamedSharding) else jax.device_put(x, replicated)
+      return x if isinstance(getattr(x, "sharding", None), NamedSharding) else multihost.put(x, replicated)
 
     return jax.tree.map(place, tree)
   if first is None:

@@ -89,6 +89,9 @@ class MeshConfig:
   coordinator_address: str = field("", "host:port of process 0 for multi-host runs; empty on one host.")
   num_processes: int = field(1, "Number of processes in a multi-host run.")
   process_id: int = field(0, "Index of this process in a multi-host run.")
+  heartbeat_timeout_s: int = field(
+    100, "Multi-host runs: seconds without a heartbeat after which a lost process ends the run on the others."
+  )
 
   def __post_init__(self):
     sizes = self.axis_sizes
@@ -96,6 +99,19 @@ class MeshConfig:
       check(s == -1 or s >= 1, name, s, "must be -1 (the rest) or a positive integer")
     check(sum(s == -1 for s in sizes) <= 1, "mesh_fsdp", self.mesh_fsdp, "at most one mesh axis may be -1")
     check(self.num_processes >= 1, "num_processes", self.num_processes, "must be >= 1")
+    check(
+      0 <= self.process_id < self.num_processes,
+      "process_id",
+      self.process_id,
+      f"must be in [0, {self.num_processes}) (--num_processes={self.num_processes})",
+    )
+    check(
+      self.num_processes == 1 or bool(self.coordinator_address),
+      "coordinator_address",
+      self.coordinator_address,
+      "is required (host:port of process 0) when --num_processes > 1",
+    )
+    check(self.heartbeat_timeout_s >= 1, "heartbeat_timeout_s", self.heartbeat_timeout_s, "must be >= 1")
 
   @property
   def axis_sizes(self) -> tuple[int, int, int]:
@@ -124,10 +140,14 @@ class MeshConfig:
 def initialize_distributed(cfg: MeshConfig) -> None:
   """Starts JAX multi-controller mode when a coordinator is configured; no-op on one host."""
   if cfg.num_processes > 1 or cfg.coordinator_address:
+    # CPU devices of different processes talk through gloo (the CPU backend has no collectives of
+    # its own across processes); accelerators use their own and ignore this setting.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
       coordinator_address=cfg.coordinator_address,
       num_processes=cfg.num_processes,
       process_id=cfg.process_id,
+      heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
     )
 
 
@@ -245,12 +265,15 @@ def split_devices(num_rollout: int, devices: Sequence[jax.Device] | None = None)
   return devices[:num_rollout], devices[num_rollout:]
 
 
-def run_meshes(mesh_cfg: MeshConfig, rollout_devices: int) -> tuple[Mesh, Mesh | None]:
-  """``(learner mesh, rollout mesh or None)`` of a run: with ``rollout_devices = K > 0`` the first K
-  global devices form the rollout sub-mesh and ``mesh_cfg`` describes the learner's mesh over the rest."""
+def run_meshes(
+  mesh_cfg: MeshConfig, rollout_devices: int, devices: Sequence[jax.Device] | None = None
+) -> tuple[Mesh, Mesh | None]:
+  """``(learner mesh, rollout mesh or None)`` of a run over ``devices`` (all global devices by default):
+  with ``rollout_devices = K > 0`` the first K form the rollout sub-mesh and ``mesh_cfg`` describes the
+  learner's mesh over the rest."""
   if not rollout_devices:
-    return build_mesh(mesh_cfg), None
-  rollout, learner = split_devices(rollout_devices)
+    return build_mesh(mesh_cfg, devices), None
+  rollout, learner = split_devices(rollout_devices, devices)
   return build_mesh(mesh_cfg, learner), rollout_mesh(rollout)
 
 

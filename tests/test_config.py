@@ -53,6 +53,9 @@ def test_defaults_build():
     (["--prompt_buckets=64,abc"], "prompt_buckets.*comma-separated list of integers"),
     (["--advantage=gae"], "gae needs a value model"),
     (["extra_positional"], "unexpected positional"),
+    (["--num_processes=2", "--process_id=2", "--coordinator_address=h:1"], r"--process_id=2.*must be in \[0, 2\)"),
+    (["--num_processes=2", "--process_id=1"], "coordinator_address.*required.*num_processes > 1"),
+    (["--heartbeat_timeout_s=0"], "heartbeat_timeout_s=0.*>= 1"),
   ],
 )
 def test_bad_flags_fail_with_a_named_error(argv, pattern):
@@ -69,6 +72,10 @@ def test_bad_flags_fail_with_a_named_error(argv, pattern):
     (["--num_samples=1"], "num_samples=1.*at least 2 samples"),
     (["--num_minibatches=3"], "num_minibatches=3.*must divide"),
     (["--max_new_tokens=1000"], "max_new_tokens=1000.*exceeds the model's max_seq_len"),
+    (
+      ["--num_processes=2", "--coordinator_address=h:1", "--async_rollout"],
+      "async_rollout=True: is not supported with --num_processes=2",
+    ),
   ],
 )
 def test_incompatible_combinations_fail_validation(argv, pattern):

@@ -129,3 +129,27 @@ def test_bad_steps_never_evict_the_last_good_checkpoint(tmp_path, capsys):
   assert "rolled back from RL step 4 to step 2" in capsys.readouterr().out
   summary = json.loads((run_dir / "summary.json").read_text())
   assert summary["rollbacks"] == 1 and summary["nonfinite_steps"] == 2
+
+
+def test_a_non_writer_run_directory_writes_nothing(tmp_path):
+  """The processes of a multi-process run other than process 0: no lock, no claim, no files."""
+  from mimo_jax.train.rundir import RunDir
+
+  path = tmp_path / "run"
+  d = RunDir(str(path), writer=False)
+  with d.lock():
+    d.claim({"run": {}}, overwrite=True)
+    d.write_config({"run": {}})
+    d.write_summary({"done": True})
+    logger = d.logger(tensorboard=True, keep_through=None)
+    record = logger.log(3, {"reward_mean": np.float32(0.5)})
+    logger.close()
+  assert record == {"step": 3, "reward_mean": 0.5}
+  assert not path.exists()
+  # The writer of the same directory does write, and holds the lock.
+  w = RunDir(str(path))
+  with w.lock():
+    w.write_config({"run": {}})
+    with pytest.raises(Exception, match="in use by another trainer"):
+      RunDirLock(str(path))
+  assert (path / "config.json").exists()

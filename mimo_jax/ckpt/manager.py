@@ -29,6 +29,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from mimo_jax import multihost
 from mimo_jax.ckpt import schema
 
 
@@ -67,16 +68,24 @@ def _global_flat_index(shape: tuple[int, ...], index: tuple[slice, ...]) -> np.n
 
 
 def _array_checksum(x: jax.Array) -> int:
-  """Layout-independent checksum of a (possibly sharded) array, computed shard by shard on
-  each shard's own device: no collectives, so it is safe next to background saves."""
+  """Layout-independent checksum of this process's part of a (possibly sharded) array, computed shard by
+  shard on each shard's own device (no collectives).  Each block counts once over all processes: on the
+  process holding the lowest-id device among its replicas; :func:`fingerprint` adds the processes' parts."""
   if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
     x = jax.random.key_data(x)
-  if not isinstance(x, jax.Array):
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    if not multihost.is_primary():  # a host value, the same on every process: counted once, on process 0
+      return 0
     x = jnp.asarray(x)
+  owner: dict[tuple, int] = {}
+  if not x.is_fully_addressable:
+    for device, index in x.sharding.devices_indices_map(x.shape).items():
+      key = tuple(sl.indices(n) for sl, n in zip(index, x.shape, strict=True))
+      owner[key] = min(owner.get(key, device.id), device.id)
   seen, total = set(), 0
   for shard in x.addressable_shards:
-    key = tuple((sl.start, sl.stop, sl.step) for sl in shard.index)
-    if key in seen:  # a replica of a block already counted
+    key = tuple(sl.indices(n) for sl, n in zip(shard.index, x.shape, strict=True))
+    if key in seen or owner.get(key, shard.device.id) != shard.device.id:  # a replica counted elsewhere
       continue
     seen.add(key)
     flat = jax.device_put(_global_flat_index(x.shape, shard.index), shard.device)
@@ -85,9 +94,15 @@ def _array_checksum(x: jax.Array) -> int:
 
 
 def fingerprint(tree: Any) -> dict[str, int]:
-  """``{path: uint32 checksum}`` of every array in ``tree``."""
+  """``{path: uint32 checksum}`` of every array in ``tree`` (the same on every process of a multi-process
+  run: the processes' parts are added with one gather)."""
   with_paths = jax.tree_util.tree_leaves_with_path(tree)
-  return {_path_str(p): _array_checksum(x) for p, x in with_paths}
+  names = [_path_str(p) for p, _ in with_paths]
+  parts = np.asarray([_array_checksum(x) for _, x in with_paths], np.uint64)
+  if multihost.multi_process() and len(parts):
+    every = multihost.gather(parts.astype(np.int64)).astype(np.uint64)
+    parts = every.sum(axis=0) % np.uint64(1 << 32)
+  return {name: int(v) for name, v in zip(names, parts, strict=True)}
 
 
 class Checkpointer:
@@ -115,8 +130,10 @@ class Checkpointer:
       # save_interval_steps=0: what Orbax forces for a reader anyway (it warns on every open otherwise).
       options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None, save_interval_steps=0)
     else:
-      os.makedirs(self.directory, exist_ok=True)
-      self._remove_partial_saves()
+      if multihost.is_primary():  # one process tidies the shared directory; the others wait for it
+        os.makedirs(self.directory, exist_ok=True)
+        self._remove_partial_saves()
+      multihost.barrier(f"mimo_jax_checkpointer_open:{self.directory}")
       options = ocp.CheckpointManagerOptions(
         max_to_keep=keep_last,
         keep_period=keep_every or None,
@@ -179,6 +196,7 @@ class Checkpointer:
     Raises:
       CheckpointCorrupted: unreadable files, invalid metadata or a fingerprint mismatch.
     """
+    error = None
     try:
       restored = self._mgr.restore(
         step,
@@ -186,9 +204,12 @@ class Checkpointer:
       )
       meta = schema.upgrade(dict(restored.meta))
     except schema.SchemaError as e:
-      raise CheckpointCorrupted(f"checkpoint {step}: {e}") from e
+      error = CheckpointCorrupted(f"checkpoint {step}: {e}")
     except Exception as e:  # noqa: BLE001 - any read failure means this step is unusable
-      raise CheckpointCorrupted(f"checkpoint {step} could not be read: {type(e).__name__}: {e}") from e
+      error = CheckpointCorrupted(f"checkpoint {step} could not be read: {type(e).__name__}: {e}")
+    # Every process takes the same branch (the fingerprint is a collective in a multi-process run).
+    if multihost.any_process(error is not None):
+      raise error or CheckpointCorrupted(f"checkpoint {step} could not be read by another process")
     got = fingerprint(restored.state)
     bad = [k for k, v in meta["fingerprint"].items() if got.get(k) != v]
     if bad or set(got) != set(meta["fingerprint"]):

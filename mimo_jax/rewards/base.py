@@ -910,6 +910,20 @@ class CompositeReward:
       RuntimeError: if the pool was closed.
     """
     samples = list(samples)
+    raw, failed, errors = self.score(samples)
+    return self.mix(raw, failed, [s.task for s in samples], errors)
+
+  def score(self, samples: Sequence[RewardSample]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], list[str]]:
+    """The raw components of ``samples`` without mixing them (no running statistics change).
+
+    ``__call__`` is ``mix(*score(samples))``; a multi-process run scores each host's own rows and
+    mixes the gathered rows of all hosts, so the normaliser sees the global batch.
+
+    Returns:
+      ``(raw, failed, errors)``: per source name, float64 ``[n]`` raw values (NaN where the source does
+      not apply) and bool ``[n]`` failure flags; the failure messages (``"<name>[<index>]: <error>"``).
+    """
+    samples = list(samples)
     for i, sample in enumerate(samples):
       if not isinstance(sample, RewardSample):
         raise TypeError(f"samples[{i}] must be a RewardSample, got {type(sample).__name__}")
@@ -965,20 +979,39 @@ class CompositeReward:
       raise pool_error[0]
     for (name, i), outcome in zip(where, outcomes, strict=True):
       record(name, i, outcome)
+    messages = [f"{name}[{i}]: {error}" for name in self.names for i, error in errors[name]]
+    return raw, failed, messages
 
-    rewards = np.zeros(n, np.float64)
+  def mix(
+    self,
+    raw: Mapping[str, np.ndarray],
+    failed: Mapping[str, np.ndarray],
+    tasks: Sequence[str],
+    errors: Sequence[str] = (),
+  ) -> RewardBatch:
+    """Mixes raw components (from :meth:`score`) into one reward per sample, updating the running
+    statistics with ``normalize="task_running"``.
+
+    Args:
+      raw: per source name, ``[n]`` raw values (NaN where the source does not apply).
+      failed: per source name, bool ``[n]``.
+      tasks: each sample's task.
+      errors: failure messages to keep (the first few).
+    """
+    tasks = np.array(list(tasks), dtype=object)
+    applies = {src.name: np.array([src.applies_to(t) for t in tasks], dtype=bool) for src in self.sources}
+    rewards = np.zeros(len(tasks), np.float64)
     normalized: dict[str, np.ndarray] = {}
     for src in self.sources:
-      mixed = self._normalize(src.name, raw[src.name], applies[src.name], failed[src.name], tasks)
+      values = np.asarray(raw[src.name], np.float64)
+      mixed = self._normalize(src.name, values, applies[src.name], np.asarray(failed[src.name], bool), tasks)
       normalized[src.name] = mixed.astype(np.float32)
       rewards += src.weight * np.where(applies[src.name], mixed, 0.0)
-
-    messages = [f"{name}[{i}]: {error}" for name in self.names for i, error in errors[name]]
     return RewardBatch(
       rewards=rewards.astype(np.float32),
-      components={name: values.astype(np.float32) for name, values in raw.items()},
-      failed=failed,
-      errors=[_truncate(m) for m in messages[:_MAX_BATCH_ERRORS]],
+      components={name: np.asarray(raw[name]).astype(np.float32) for name in self.names},
+      failed={name: np.asarray(failed[name], bool) for name in self.names},
+      errors=[_truncate(m) for m in list(errors)[:_MAX_BATCH_ERRORS]],
       normalized=normalized,
     )
 

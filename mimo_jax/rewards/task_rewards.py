@@ -60,8 +60,19 @@ def build_task_reward(
   return CompositeReward(sources, normalize=normalize, pool=pool)
 
 
-def reward_samples(problems: Sequence[Any], texts: Sequence[str], group_size: int, truncated: Sequence[bool]):
-  """``RewardSample`` per completion (row ``i`` answers ``problems[i // group_size]``)."""
+def reward_samples(
+  problems: Sequence[Any],
+  texts: Sequence[str],
+  group_size: int,
+  truncated: Sequence[bool],
+  rows: Sequence[int] | None = None,
+):
+  """``RewardSample`` per completion (row ``i`` answers ``problems[i // group_size]``).
+
+  ``rows``: the batch rows ``texts`` are the completions of (default ``0 .. len(texts) - 1``; a host of a
+  multi-process run scores only its own rows); ``truncated`` is indexed by row.
+  """
+  rows = range(len(texts)) if rows is None else rows
   return [
     RewardSample(
       prompt=problems[i // group_size].prompt,
@@ -70,5 +81,5 @@ def reward_samples(problems: Sequence[Any], texts: Sequence[str], group_size: in
       task=problems[i // group_size].task,
       truncated=bool(truncated[i]),
     )
-    for i, text in enumerate(texts)
+    for i, text in zip(rows, texts, strict=True)
   ]

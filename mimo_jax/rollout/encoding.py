@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from mimo_jax import multihost
 from mimo_jax.config import RolloutConfig
 from mimo_jax.rollout.sampler import RolloutOutput, bucket_for, left_pad
 from mimo_jax.rollout.sampling import SamplingParams
@@ -56,6 +57,12 @@ def encode_targets(tokenizer: Tokenizer, completions: Sequence[str], length: int
   return tokens, mask
 
 
-def decode_completions(tokenizer: Tokenizer, rollout: RolloutOutput) -> list[str]:
-  tokens, lengths = np.asarray(rollout.completion_tokens), np.asarray(rollout.lengths)
+def decode_completions(tokenizer: Tokenizer, rollout: RolloutOutput, rows: np.ndarray | None = None) -> list[str]:
+  """The completions' texts: of every row (gathered from all processes in a multi-process run), or of
+  ``rows`` only, which must be this process's own (:func:`mimo_jax.multihost.local_rows`)."""
+  if rows is None:
+    tokens, lengths = multihost.to_host((rollout.completion_tokens, rollout.lengths))
+  else:
+    tokens = multihost.local_data(rollout.completion_tokens, rows)
+    lengths = multihost.local_data(rollout.lengths, rows)
   return [tokenizer.decode(tokens[i, : lengths[i]].tolist()) for i in range(tokens.shape[0])]

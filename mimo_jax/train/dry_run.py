@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from typing import Any
 
@@ -31,10 +32,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mimo_jax import sharding
 from mimo_jax.config import Config
+from mimo_jax.config_base import ConfigError
 from mimo_jax.models import Transformer, ValueModel, abstract_state
+from mimo_jax.models.reference import abstract_reference
 from mimo_jax.models.transformer import KV_CACHE_LOGICAL_AXES
 from mimo_jax.optim import TrainState, abstract_opt_state
 from mimo_jax.rollout import Sampler, SamplingParams
+from mimo_jax.topology import Topology, parse_topology, topology_devices
 from mimo_jax.train.learner import Experience, LearnerState, build_learner, init_controller_state, uses_kl
 
 GiB = 1024**3
@@ -47,7 +51,8 @@ def per_device_bytes(tree: Any) -> int:
     shape = x.shape
     if getattr(x, "sharding", None) is not None:
       shape = x.sharding.shard_shape(x.shape)
-    total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    itemsize = 8 if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else jnp.dtype(x.dtype).itemsize
+    total += math.prod(shape) * itemsize
   return total
 
 
@@ -130,7 +135,24 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
   t0 = time.perf_counter()
   # Whether or not the vocabulary needs the task built (run_vocab), as the trainer would.
   sandbox = check_sandbox(cfg.data)
-  mesh, rollout_mesh = sharding.run_meshes(cfg.mesh, cfg.rollout.rollout_devices)
+  topo = parse_topology(cfg.run.dry_run_topology) if cfg.run.dry_run_topology else None
+  if (
+    topo is not None
+    and topo.platform == "tpu"
+    and (cfg.algo.reference_dtype, cfg.algo.reference_offload)
+    == (
+      "int8",
+      "host",
+    )
+  ):
+    # Seen with libtpu 0.0.42 on the 13B flagfile: "FAILED_PRECONDITION: A cycle is detected" in the
+    # learner's copy schedule.  Each option alone compiles.
+    raise ConfigError(
+      "--reference_offload=host with --reference_dtype=int8: the XLA:TPU compiler fails on the pair (a cycle "
+      "in its host-copy schedule); use one of them"
+    )
+  devices = topology_devices(topo) if topo is not None else None
+  mesh, rollout_mesh = sharding.run_meshes(cfg.mesh, cfg.rollout.rollout_devices, devices)
   gen_mesh = rollout_mesh or mesh  # where generation runs and the KV cache lives
   replicated = NamedSharding(mesh, PartitionSpec())
   model_cfg = cfg.model.model_config().replace(vocab_size=vocab_size or run_vocab(cfg))
@@ -147,9 +169,11 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
     lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
     jax.eval_shape(lambda: init_controller_state(cfg)),
   )
-  abs_state = LearnerState(
-    policy=policy, controllers=controllers, reference=abs_params if use_kl else None, value=value
+  a = cfg.algo
+  abs_reference = (
+    abstract_reference(abs_params, dtype=a.reference_dtype, offload=a.reference_offload) if use_kl else None
   )
+  abs_state = LearnerState(policy=policy, controllers=controllers, reference=abs_reference, value=value)
 
   # ---- rollout-shaped abstract inputs
   G = cfg.rollout.num_samples
@@ -197,7 +221,8 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
     "params": nbytes(abs_params),
     "master": nbytes(policy.master),
     "optimizer_state": nbytes(policy.opt_state),
-    "reference_params": nbytes(abs_state.reference),
+    # In device memory; with --reference_offload=host it is in host memory (reference_host_params).
+    "reference_params": nbytes(abs_reference) if a.reference_offload != "host" else 0,
     "value_params": nbytes(abs_value_params),
     "value_master": nbytes(value.master) if value is not None else 0,
     "value_optimizer_state": nbytes(value.opt_state) if value is not None else 0,
@@ -205,6 +230,8 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
   }
   if rollout_mesh is not None:  # on the rollout devices: the KV cache above and this copy of the weights
     storage["rollout_params"] = nbytes(gen_params)
+  if use_kl and a.reference_offload == "host":
+    storage["reference_host_params"] = nbytes(abs_reference)
   report: dict[str, Any] = {
     "model": model_cfg.name,
     "params": model_cfg.num_params(),
@@ -212,7 +239,8 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
     "param_dtype": str(model_cfg.param_dtype),
     "compute_dtype": str(model_cfg.dtype),
     "master_dtype": master,
-    "platform": jax.default_backend(),
+    "platform": topo.platform if topo is not None else jax.default_backend(),
+    "topology": None if topo is None else _topology_record(topo, devices),
     "devices": int(mesh.size),
     "mesh": dict(mesh.shape),
     "rollout_mesh": dict(rollout_mesh.shape) if rollout_mesh is not None else None,
@@ -222,30 +250,59 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
   }
   if sandbox is not None:
     report["sandbox"] = sandbox
+  if use_kl:
+    # What each reference option would store per device (the score pass dequantises transiently).
+    report["reference_options_gib"] = {
+      **{
+        f"reference_dtype={d or 'policy'}": nbytes(abstract_reference(abs_params, dtype=d)) / GiB
+        for d in ("", "bfloat16", "int8")
+      },
+      "reference_offload=host (device memory)": 0.0,
+    }
 
   compiled: dict[str, Any] = {}
   times: dict[str, float] = {}
-  t = time.perf_counter()
-  compiled["learn"] = learner.learn.lower(abs_state, exp, step, poison).compile()
-  times["learn"] = time.perf_counter() - t
+  refused: dict[str, dict[str, Any]] = {}
 
-  t = time.perf_counter()
+  def compile_program(name: str, lower) -> None:
+    t = time.perf_counter()
+    try:
+      compiled[name] = lower().compile()
+    except jax.errors.JaxRuntimeError as e:
+      # The TPU compiler refuses a program whose temporaries exceed the device's memory: that is the
+      # answer a dry run is for, not a crash.
+      if topo is None or "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      refused[name] = _compiler_refusal(str(e))
+    times[name] = time.perf_counter() - t
+
+  compile_program("learn", lambda: learner.learn.lower(abs_state, exp, step, poison))
   sampler = Sampler(nnx.merge(graphdef, gen_params), mesh=gen_mesh)
   gen_replicated = NamedSharding(gen_mesh, PartitionSpec())
-  compiled["generate"] = sampler._generate.lower(
-    gen_params,
-    _sds((Np, P), jnp.int32, gen_mesh, ("batch", None)),
-    _sds((Np, P), bool, gen_mesh, ("batch", None)),
-    _sds((B,), jnp.float32, gen_mesh, ("batch",)),
-    jax.ShapeDtypeStruct(policy.rng.shape, policy.rng.dtype, sharding=gen_replicated),
-    jax.ShapeDtypeStruct((), jnp.int32, sharding=gen_replicated),
-    num_samples=G,
-    max_len=M,
-    sampling=SamplingParams(top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p, stop_ids=(2,)),
-  ).compile()
-  times["generate"] = time.perf_counter() - t
+  compile_program(
+    "generate",
+    lambda: sampler._generate.lower(
+      gen_params,
+      _sds((Np, P), jnp.int32, gen_mesh, ("batch", None)),
+      _sds((Np, P), bool, gen_mesh, ("batch", None)),
+      _sds((B,), jnp.float32, gen_mesh, ("batch",)),
+      jax.ShapeDtypeStruct(policy.rng.shape, policy.rng.dtype, sharding=gen_replicated),
+      jax.ShapeDtypeStruct((), jnp.int32, sharding=gen_replicated),
+      num_samples=G,
+      max_len=M,
+      sampling=SamplingParams(top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p, stop_ids=(2,)),
+    ),
+  )
+  arguments = {"learn": nbytes(abs_state) + nbytes(exp), "generate": nbytes(gen_params)}
+  for name, r in refused.items():
+    # Live at once, as far as the refusal tells: the program's arguments and the temporaries it asked for.
+    r["argument_gib"] = arguments[name] / GiB
+    r["estimate_gib"] = r["argument_gib"] + r.get("temp_gib", math.inf)
 
-  report["compiled"] = {name: {**_memory(c), "compile_s": times[name]} for name, c in compiled.items()}
+  report["compiled"] = {
+    name: {**(_memory(compiled[name]) if name in compiled else refused[name]), "compile_s": times[name]}
+    for name in ("learn", "generate")
+  }
   # Each program's live bytes count its arguments (the whole learner state for learn) and its
   # temporaries (the KV cache for generate): the step's peak is the larger of the two programs.
   # The CPU compiler's peak_memory_in_bytes counts little more than the arguments, so the larger
@@ -253,6 +310,8 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
   report["peak_estimate_gib"] = max(
     max(m.get("peak_gib", 0.0), m.get("estimate_gib", 0.0)) for m in report["compiled"].values()
   )
+  if topo is not None:
+    report["fit"] = _fit(cfg, topo, report)
   report["total_s"] = time.perf_counter() - t0
   _print_report(report)
   if write:
@@ -267,7 +326,106 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
     os.replace(tmp, path)
     report["path"] = path
     print(f"dry run report: {path}")
+  if topo is not None and not report["fit"]["fits"]:
+    raise ConfigError(report["fit"]["message"])
   return report
+
+
+def _compiler_refusal(message: str) -> dict[str, Any]:
+  """What the compiler's out-of-memory refusal says: the temporaries it needed and the memory there was."""
+  out: dict[str, Any] = {"refused_by_compiler": message.splitlines()[0][:500]}
+  m = re.search(r"temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", message) or re.search(
+    r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT])", message
+  )
+  if m:
+    unit = {"K": 2**-20, "M": 2**-10, "G": 1.0, "T": 1024.0}
+    out["temp_gib"] = float(m.group(1)) * unit[m.group(2)]
+    out["available_gib"] = float(m.group(3)) * unit[m.group(4)]
+  return out
+
+
+def _topology_record(topo: Topology, devices) -> dict[str, Any]:
+  return {
+    "name": topo.name,
+    "platform": topo.platform,
+    "compiler": topo.compiler,
+    "device_kind": devices[0].device_kind,
+    "chips": topo.chips,
+    "grid": "x".join(map(str, topo.grid)) or None,
+    "devices": topo.devices,
+    "device_memory_gib": topo.device_gib,
+    "caveat": None
+    if topo.platform == "tpu"
+    else "compiled by the CPU compiler: per-device storage is exact, temporaries are an approximation of the GPU's",
+  }
+
+
+def _fit(cfg: Config, topo: Topology, report: dict[str, Any]) -> dict[str, Any]:
+  """Whether the step fits ``topo``'s devices with ``--dry_run_headroom`` kept free; if not, which flag to
+  change and by how much (the larger program decides: the learner step or generation)."""
+  budget = topo.device_gib * (1.0 - cfg.run.dry_run_headroom)
+  peaks = {name: max(m.get("peak_gib", 0.0), m.get("estimate_gib", 0.0)) for name, m in report["compiled"].items()}
+  worst = max(peaks, key=peaks.get)
+  need = peaks[worst]
+  out = {
+    "budget_gib": budget,
+    "device_memory_gib": topo.device_gib,
+    "headroom": cfg.run.dry_run_headroom,
+    "peak_gib": need,
+    "program": worst,
+    "fits": need <= budget,
+    "free_gib": budget - need,
+  }
+  if out["fits"]:
+    out["message"] = (
+      f"fits {topo.name}: peak {need:.2f} GiB per device ({worst}) of {budget:.2f} GiB usable "
+      f"({topo.device_gib:.1f} GiB less {100 * cfg.run.dry_run_headroom:.0f}% headroom)"
+    )
+    return out
+  over = need - budget
+  storage = report["per_device_gib"]
+  state = sum(v for k, v in storage.items() if k != "kv_cache")
+  m = report["compiled"][worst]
+  if state > budget:
+    advice = (
+      f"the model state alone (parameters, optimizer, reference, critic) takes {state:.2f} GiB per device: shard "
+      f"it over more devices (a larger --dry_run_topology, or --mesh_fsdp/--mesh_tensor), or use "
+      f"--param_dtype=bfloat16"
+    )
+  elif worst == "learn":
+    temp = m.get("temp_gib", 0.0)
+    g = cfg.algo.grad_accum
+    minibatch = cfg.data.prompts_per_step * cfg.rollout.num_samples // cfg.algo.num_minibatches
+    shards = report["mesh"]["data"] * report["mesh"]["fsdp"]
+    # Activations shrink with the micro-batch: the smallest valid --grad_accum whose share fits.
+    need_factor = temp / max(temp - over, 1e-9) if temp > over else math.inf
+    valid = [a for a in range(g + 1, minibatch + 1) if minibatch % a == 0 and (minibatch // a) % shards == 0]
+    fitting = [a for a in valid if a / g >= need_factor]
+    if fitting:
+      advice = (
+        f"--grad_accum={g}: the learner step's activations take {temp:.2f} GiB per device; raise --grad_accum "
+        f"to {fitting[0]} (micro-batches of {minibatch // fitting[0]} rows instead of {minibatch // g})"
+      )
+    else:
+      advice = (
+        f"--prompts_per_step={cfg.data.prompts_per_step}: the learner step's activations ({temp:.2f} GiB per "
+        f"device) do not fit at any valid --grad_accum; lower --prompts_per_step or --max_new_tokens by about "
+        f"{math.ceil(100 * over / max(temp, 1e-9))}%, or raise --num_minibatches"
+      )
+  else:
+    rows = cfg.data.prompts_per_step
+    scale = max(0.0, 1.0 - over / max(storage.get("kv_cache", 0.0) + m.get("temp_gib", 0.0), 1e-9))
+    fit_rows = int(rows * scale)
+    advice = (
+      f"--prompts_per_step={rows}: generation's KV cache and temporaries overflow; at most about "
+      f"{fit_rows} prompts per step fit (or lower --num_samples / --max_new_tokens)"
+    )
+  out["message"] = (
+    f"--dry_run_topology={topo.name}: does not fit: the {worst} program needs {need:.2f} GiB per device, "
+    f"{over:.2f} GiB ({100 * over / budget:.0f}%) over the {budget:.2f} GiB usable ({topo.device_gib:.1f} GiB "
+    f"less {100 * cfg.run.dry_run_headroom:.0f}% headroom); change {advice}"
+  )
+  return out
 
 
 def _json_default(o: Any) -> Any:
@@ -282,6 +440,14 @@ def _print_report(report: dict[str, Any]) -> None:
     print(f"  {k:>18}: {v:8.3f}")
   print("compiled steps (GiB per device):")
   for name, m in report["compiled"].items():
-    fields = " ".join(f"{k}={v:.3f}" for k, v in m.items() if k != "compile_s")
+    fields = " ".join(f"{k}={v:.3f}" for k, v in m.items() if k != "compile_s" and isinstance(v, float))
+    if "refused_by_compiler" in m:
+      fields = f"refused by the compiler (out of memory): {fields}"
     print(f"  {name:>10}: {fields} (compiled in {m['compile_s']:.1f}s)")
   print(f"peak estimate: {report['peak_estimate_gib']:.3f} GiB per device")
+  if report.get("topology"):
+    t = report["topology"]
+    print(f"topology: {t['name']} ({t['devices']} x {t['device_kind']}, compiled by {t['compiler']})")
+    if t["caveat"]:
+      print(f"  caveat: {t['caveat']}")
+    print(report["fit"]["message"])

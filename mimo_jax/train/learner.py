@@ -316,7 +316,14 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
   if use_value and value_graphdef is None:
     raise ValueError("build_learner: --use_value_model needs the value model's graphdef")
   micro = a.num_minibatches * a.grad_accum  # score and value passes over the update's micro-batch rows
-  score = make_score_fn(graphdef, mesh, use_reference=use_kl, logprob_impl=a.logprob_impl, micro_batches=micro)
+  score = make_score_fn(
+    graphdef,
+    mesh,
+    use_reference=use_kl,
+    logprob_impl=a.logprob_impl,
+    micro_batches=micro,
+    reference_offload=a.reference_offload,
+  )
   advantages = make_advantage_fn(advantage_settings(cfg))
   upd_settings = update_settings(cfg)
   update = make_update_fn(mesh, upd_settings)

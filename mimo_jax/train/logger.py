@@ -30,15 +30,19 @@ class MetricsLogger:
     tensorboard: also write TensorBoard event files under ``run_dir/tensorboard``.
   """
 
-  def __init__(self, run_dir: str, *, tensorboard: bool = True, keep_through: int | None = None):
+  def __init__(self, run_dir: str, *, tensorboard: bool = True, keep_through: int | None = None, write: bool = True):
     """Args:
     run_dir: the run directory (created).
     tensorboard: also write TensorBoard event files.
     keep_through: resuming: keep only records with ``step <= keep_through`` (later
       ones were written after the checkpoint being resumed and will be written again);
       None starts a fresh log.
+    write: False: format the records and write nothing (the processes of a multi-process
+      run other than process 0, so each step is logged once).
     """
-    os.makedirs(run_dir, exist_ok=True)
+    self.write = write
+    if write:
+      os.makedirs(run_dir, exist_ok=True)
     self.run_dir = run_dir
     self.path = os.path.join(run_dir, "metrics.jsonl")
     self._tensorboard = tensorboard
@@ -47,6 +51,8 @@ class MetricsLogger:
     self._open(keep_through)
 
   def _open(self, keep_through: int | None) -> None:
+    if not self.write:
+      return
     kept = []
     if keep_through is not None and os.path.exists(self.path):
       with open(self.path) as f:
@@ -79,6 +85,8 @@ class MetricsLogger:
   ) -> dict[str, Any]:
     """Logs one step; returns the JSON-able record written."""
     record = {"step": int(step), **{k: _scalar(v) for k, v in sorted(metrics.items())}}
+    if not self.write:
+      return record
     self._file.write(json.dumps(record) + "\n")
     if self._tb is not None:
       for k, v in record.items():

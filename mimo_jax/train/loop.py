@@ -8,6 +8,7 @@ itself is :func:`train`, and one RL step is :meth:`RLRun.step`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -24,12 +25,13 @@ from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from mimo_jax import sharding
+from mimo_jax import multihost, sharding
 from mimo_jax.ckpt.manager import abstract_like
 from mimo_jax.config import Config
 from mimo_jax.config_base import ConfigError
 from mimo_jax.eval.evaluator import default_ks, eval_rows, evaluate_policy
 from mimo_jax.models import Transformer, ValueModel, create_sharded, load_hf
+from mimo_jax.models.reference import HOST, abstract_reference, make_reference
 from mimo_jax.optim import (
   OPTIMIZER_LAYOUT,
   TrainState,
@@ -114,7 +116,7 @@ class RLRun:
     """
     self.cfg = cfg
     self.run_dir = run_dir
-    self.dir = rundir.RunDir(run_dir)  # every file of the run goes through it
+    self.dir = rundir.RunDir(run_dir, writer=multihost.is_primary())  # every file of the run goes through it
     # One global mesh; with --rollout_devices its first K devices form the rollout sub-mesh and the
     # learner's mesh (the mesh flags) spans the rest.
     self.mesh, self.rollout_mesh = sharding.run_meshes(cfg.mesh, cfg.rollout.rollout_devices)
@@ -479,10 +481,17 @@ class RLRun:
   def _restore_reference(self, state: LearnerState) -> LearnerState:
     if not self.use_kl:
       return state
-    found = self.ref_ckpt.restore_latest(abstract_like({"params": state.params}, self.mesh))
+    target = abstract_reference(abstract_like(state.params, self.mesh), dtype=self.cfg.algo.reference_dtype)
+    found = self.ref_ckpt.restore_latest({"params": target})
     if found is None:
       raise RuntimeError(f"{self.run_dir}/reference: the frozen reference policy is missing or corrupted")
-    return state.replace(reference=found[1]["params"])
+    return state.replace(reference=self._place_reference(found[1]["params"]))
+
+  def _place_reference(self, reference: Any) -> Any:
+    """The reference where it lives between score passes: device memory, or host with --reference_offload."""
+    if self.cfg.algo.reference_offload != "host":
+      return reference
+    return jax.device_put(reference, jax.tree.map(lambda x: x.sharding.with_memory_kind(HOST), reference))
 
   def open_logger(self, restored: Restored | None) -> None:
     keep = None if restored is None else restored.meta["log_step"]
@@ -493,12 +502,7 @@ class RLRun:
 
   def should_stop(self) -> bool:
     """Whether every host saw SIGTERM-driven preemption (all hosts agree on the step)."""
-    flag = self.preempt_requested
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-
-      flag = bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
-    return flag
+    return multihost.any_process(self.preempt_requested)
 
   def close(self) -> None:
     if self.rollout is not None:
@@ -516,7 +520,9 @@ class RLRun:
     cfg = self.cfg
     n = cfg.run.sft_steps
     M = cfg.rollout.max_new_tokens
-    bar = tqdm.trange(start, n, desc="sft", leave=False, mininterval=1.0, initial=start, total=n)
+    bar = tqdm.trange(
+      start, n, desc="sft", leave=False, mininterval=1.0, initial=start, total=n, disable=not multihost.is_primary()
+    )
     for i in bar:
       examples = self.task.sft_examples(self.data_rng, cfg.data.sft_batch_size)
       p_tok, p_mask, _ = encode_prompts(self.tokenizer, [e[0] for e in examples], self.buckets)
@@ -526,7 +532,7 @@ class RLRun:
       done = i + 1
       log_step = done - n - 1
       if done % 25 == 0 or done == n:
-        m = jax.device_get(metrics)
+        m = multihost.to_host(metrics)
         bar.set_postfix(loss=f"{float(m['sft_loss']):.3f}")
         self.logger.log(log_step, {"sft_loss": m["sft_loss"], "lr": self.sft_schedule(i)})
       every = cfg.checkpoint.checkpoint_every
@@ -571,13 +577,19 @@ class RLRun:
     """The SFT -> RL transition: freeze the reference, build the RL state, checkpoint step 0."""
     state = self.fresh_state("rl", params)
     if self.use_kl:
-      # The frozen reference: a copy of the warm-started weights, never updated.
-      state = state.replace(reference=jax.tree.map(jnp.copy, state.params))
+      # The frozen reference: a copy of the warm-started weights, never updated (in device memory as
+      # --reference_dtype stores it; moved to host memory after the save with --reference_offload=host).
+      a = self.cfg.algo
+      if a.reference_dtype:
+        reference = make_reference(state.params, dtype=a.reference_dtype)
+      else:
+        reference = jax.tree.map(jnp.copy, state.params)
       # A reference left by a transition that was killed before RL step 0 committed is
       # rewritten (it is the same warm-started weights).
       self.ref_ckpt.delete_after(-1)
-      self.ref_ckpt.save(0, {"params": state.reference}, self._meta("rl", 0, 0, policy_version=0, rollout=None))
+      self.ref_ckpt.save(0, {"params": reference}, self._meta("rl", 0, 0, policy_version=0, rollout=None))
       self.ref_ckpt.wait()
+      state = state.replace(reference=self._place_reference(reference))
     self.worker.update_params(self.rollout_params(state.params))
     self.save("rl", 0, state, 0, warm)
     return state
@@ -609,7 +621,7 @@ class RLRun:
     state, metrics = self.learner.learn(state, self.to_learner(batch.experience), jnp.int32(step), jnp.bool_(poison))
     if self.rollout is None:
       self.worker.update_params(state.params)
-    metrics, lengths, finish = jax.device_get((metrics, rollout.lengths, rollout.finish_reason))
+    metrics, lengths, finish = multihost.to_host((metrics, rollout.lengths, rollout.finish_reason))
     t2 = time.perf_counter()
     if self.rollout is None:  # each side waits for the other the whole time the other runs
       idle = {"time_learner_idle_s": t1 - t0, "time_rollout_idle_s": t2 - t1, "queue_len": 0.0}
@@ -699,9 +711,9 @@ def train(cfg: Config, *, rollout_factory=None) -> dict[str, Any]:
   # A task that runs untrusted code without kernel isolation is refused before the run directory is
   # touched (--overwrite would clear it first); building the task checks again, silently.
   check_sandbox(cfg.data)
-  directory = rundir.RunDir(run_dir)
-  with directory.lock():  # one trainer per run directory, for the whole run
-    directory.claim(cfg.to_dict(), overwrite=cfg.checkpoint.overwrite)
+  directory = rundir.RunDir(run_dir, writer=multihost.is_primary())
+  with contextlib.ExitStack() as owned:
+    _claim(directory, cfg, owned)
     run = RLRun(cfg, run_dir, rollout_factory=rollout_factory)
     try:
       restored = run.restore()  # refuses checkpoints none of which restores: nothing is written before
@@ -718,6 +730,19 @@ def train(cfg: Config, *, rollout_factory=None) -> dict[str, Any]:
         signal.signal(signal.SIGTERM, previous)
     finally:
       run.close()
+
+
+def _claim(directory: rundir.RunDir, cfg: Config, owned: contextlib.ExitStack) -> None:
+  """Takes the run directory for this run (one trainer per directory, for the whole run): its writer
+  (process 0) locks and claims it; every process learns whether it did before anything else happens."""
+  error = None
+  try:
+    owned.enter_context(directory.lock())
+    directory.claim(cfg.to_dict(), overwrite=cfg.checkpoint.overwrite)
+  except ConfigError as e:
+    error = e
+  if multihost.any_process(error is not None):
+    raise error or ConfigError(f"--run_dir={directory.path}: process 0 refused the run directory (see its output)")
 
 
 def _train(run: RLRun, restored: Restored | None, t_start: float) -> dict[str, Any]:
@@ -750,7 +775,9 @@ def _rl_phase(run: RLRun, state: LearnerState, step: int, warm: dict[str, float]
   """RL steps ``step .. max_steps``: step, guard against non-finite updates, evaluate, log, checkpoint."""
   cfg = run.cfg
   every = cfg.checkpoint.checkpoint_every
-  bar = tqdm.tqdm(total=cfg.run.max_steps, initial=step, desc="grpo", mininterval=1.0)
+  bar = tqdm.tqdm(
+    total=cfg.run.max_steps, initial=step, desc="grpo", mininterval=1.0, disable=not multihost.is_primary()
+  )
   while step < cfg.run.max_steps:
     state, (record, hist) = run.step(state, step)
     step += 1

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from mimo_jax import multihost
 from mimo_jax.config import Config
 from mimo_jax.data.curriculum import PassRateCurriculum, PromptSampler
 from mimo_jax.rewards.base import RewardBatch
@@ -78,11 +79,9 @@ def _select_groups(
   first = rounds[0][1]
 
   def host(rollout: RolloutOutput) -> dict[str, np.ndarray]:
-    arrays = {
-      f.name: np.asarray(getattr(rollout, f.name))
-      for f in dataclasses.fields(rollout)
-      if f.metadata.get("pytree_node", True)
-    }
+    arrays = multihost.to_host(
+      {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout) if f.metadata.get("pytree_node", True)}
+    )
     extra = P - arrays["prompt_tokens"].shape[1]
     for name in ("prompt_tokens", "prompt_mask"):
       arrays[name] = np.pad(arrays[name], ((0, 0), (extra, 0)))
@@ -120,6 +119,18 @@ def _select_groups(
     metrics, histograms = batch.metrics(), batch.histograms()
   rewards = Rewards(gather("values"), gather("correct"), texts, metrics, histograms, components, batch)
   return problems, rollout, rewards
+
+
+def _spans(rows: np.ndarray) -> str:
+  """``"0-15, 32-47"``: sorted row indices as contiguous spans."""
+  spans, start = [], None
+  for i, r in enumerate(rows.tolist()):
+    if start is None:
+      start = r
+    if i + 1 == len(rows) or rows[i + 1] != r + 1:
+      spans.append(f"{start}-{r}" if r > start else f"{r}")
+      start = None
+  return ", ".join(spans)
 
 
 def _prompt_id(uid: str) -> int:
@@ -183,6 +194,7 @@ class RolloutWorker:
     self.data_rng = np.random.default_rng(cfg.run.seed)
     self.prompt_sampler = self._prompt_sampler() if cfg.data.curriculum else None
     self.batches: collections.deque[dict[str, Any]] = collections.deque(maxlen=_BATCH_RECORDS)
+    self._rows_announced = False
 
   def _prompt_sampler(self) -> PromptSampler:
     """The curriculum sampler: a pool of task prompts, weighted toward the pass-rate band."""
@@ -246,12 +258,40 @@ class RolloutWorker:
   def reward(self, problems, rollout: RolloutOutput) -> Rewards:
     """Decodes the completions and scores them with the task's composite reward (host)."""
     G = self.cfg.rollout.num_samples
-    texts = decode_completions(self.tokenizer, rollout)
-    truncated = np.asarray(rollout.finish_reason) == FINISH_LENGTH
-    batch = self.rewarder(reward_samples(problems, texts, G, truncated))
+    truncated = multihost.to_host(rollout.finish_reason) == FINISH_LENGTH
+    if multihost.multi_process():
+      texts, batch = self._reward_own_rows(problems, rollout, truncated)
+    else:
+      texts = decode_completions(self.tokenizer, rollout)
+      batch = self.rewarder(reward_samples(problems, texts, G, truncated))
     correct = (batch.components["correct"] > 0) & ~batch.failed["correct"]
     values = np.asarray(batch.rewards, np.float32)
     return Rewards(values, correct, texts, batch.metrics(), batch.histograms(), batch.components, batch)
+
+  def _reward_own_rows(self, problems, rollout: RolloutOutput, truncated: np.ndarray):
+    """A multi-process run's rewards: this host decodes and scores only the rows on its devices; the raw
+    components of all hosts' rows are gathered and mixed on every host (the same global batch, so the
+    normaliser's statistics and every metric are the global ones).  Texts of other hosts' rows are None."""
+    G = self.cfg.rollout.num_samples
+    B = int(truncated.shape[0])
+    rows = multihost.local_rows(rollout.completion_tokens)
+    if not self._rows_announced:
+      self._rows_announced = True
+      print(
+        f"process {jax.process_index()} of {jax.process_count()}: decodes and scores {len(rows)} of the {B} "
+        f"rollout rows (rows {_spans(rows)}), the ones on its devices",
+        flush=True,
+      )
+    own = decode_completions(self.tokenizer, rollout, rows)
+    raw, failed, errors = self.rewarder.score(reward_samples(problems, own, G, truncated, rows.tolist()))
+    names = list(self.rewarder.names)
+    full = multihost.gather_rows(B, rows, [raw[n] for n in names] + [failed[n] for n in names])
+    raw, failed = dict(zip(names, full[: len(names)], strict=True)), dict(zip(names, full[len(names) :], strict=True))
+    batch = self.rewarder.mix(raw, failed, [problems[i // G].task for i in range(B)], errors)
+    texts: list[str | None] = [None] * B
+    for j, r in enumerate(rows.tolist()):
+      texts[r] = own[j]
+    return texts, batch
 
   def next_key(self) -> jax.Array:
     """The next key of the run's loop stream (generation and evaluation draw from it in turn)."""

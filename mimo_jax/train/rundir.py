@@ -8,6 +8,7 @@ lock and never delete anything (``Checkpointer(read_only=True)``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
@@ -146,8 +147,13 @@ class RunDir:
   ``.lock`` (held by the one live trainer).  The trainer reaches these files only through this
   object; readers (evaluation, export) open checkpoints read-only and never delete anything.
 
+  In a multi-process run every process holds a ``RunDir`` of the same (shared) directory; only the
+  writer (process 0) takes the lock, claims the directory and writes its files, and the others'
+  writes are no-ops.  Checkpoints are the exception: every process writes its own shards (Orbax).
+
   Args:
     path: the run directory (created on first write).
+    writer: whether this process writes the run's files (process 0 of a multi-process run).
   """
 
   CONFIG = "config.json"
@@ -156,8 +162,9 @@ class RunDir:
   CHECKPOINTS = "checkpoints"
   REFERENCE = "reference"
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, *, writer: bool = True):
     self.path = path
+    self.writer = writer
 
   def file(self, name: str) -> str:
     """The path of one of the run's files (e.g. ``RunDir.SUMMARY``)."""
@@ -165,9 +172,10 @@ class RunDir:
 
   # ---- ownership ----------------------------------------------------------------------------
 
-  def lock(self) -> RunDirLock:
-    """Takes the directory's exclusive lock (for the trainer's life; raises :class:`RunDirInUse`)."""
-    return RunDirLock(self.path)
+  def lock(self) -> RunDirLock | contextlib.nullcontext:
+    """Takes the directory's exclusive lock (for the trainer's life; raises :class:`RunDirInUse`); a
+    non-writer takes none (its writer holds it for the whole run)."""
+    return RunDirLock(self.path) if self.writer else contextlib.nullcontext()
 
   def claim(self, config: dict[str, Any], *, overwrite: bool) -> None:
     """Refuses a directory holding another configuration's run unless ``overwrite`` (which clears it first).
@@ -179,6 +187,8 @@ class RunDir:
     Raises:
       ConfigError: the directory's run differs in an :data:`IDENTITY` setting, naming each one.
     """
+    if not self.writer:
+      return
     previous = read_config(self.path)
     if overwrite:
       clear(self.path)
@@ -197,6 +207,8 @@ class RunDir:
 
   def write_config(self, config: dict[str, Any], *, sandbox: dict[str, Any] | None = None) -> None:
     """Replaces ``config.json`` atomically (see :func:`config_json`)."""
+    if not self.writer:
+      return
     os.makedirs(self.path, exist_ok=True)
     write_atomic(self.file(self.CONFIG), config_json(config, sandbox=sandbox))
 
@@ -208,6 +220,8 @@ class RunDir:
       return json.load(f)
 
   def write_summary(self, summary: dict[str, Any]) -> None:
+    if not self.writer:
+      return
     write_atomic(self.file(self.SUMMARY), json.dumps(summary, indent=2))
 
   def checkpointer(self, **options: Any) -> Checkpointer:
@@ -220,4 +234,4 @@ class RunDir:
 
   def logger(self, *, tensorboard: bool, keep_through: int | None) -> MetricsLogger:
     """The metrics logger (``metrics.jsonl``, ``tensorboard/``), truncated past ``keep_through`` on a resume."""
-    return MetricsLogger(self.path, tensorboard=tensorboard, keep_through=keep_through)
+    return MetricsLogger(self.path, tensorboard=tensorboard, keep_through=keep_through, write=self.writer)

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from mimo_jax import sharding
 from mimo_jax.models.logprobs import completion_logprobs, completion_stats
+from mimo_jax.models.reference import dense_reference
 from mimo_jax.models.transformer import positions_from_mask
 from mimo_jax.optim import TrainState, apply_gradients
 from mimo_jax.rl.advantages import gae, group_advantages, masked_mean, masked_var, masked_whiten
@@ -183,13 +184,21 @@ def _map_rows(fn, batch: Any, micro_batches: int):
 
 
 def make_score_fn(
-  graphdef: Any, mesh: Mesh | None, *, use_reference: bool, logprob_impl: str = "fused", micro_batches: int = 1
+  graphdef: Any,
+  mesh: Mesh | None,
+  *,
+  use_reference: bool,
+  logprob_impl: str = "fused",
+  micro_batches: int = 1,
+  reference_offload: str = "none",
 ):
   """A jitted ``(params, ref_params, batch, temperature) -> (old_logprobs, ref_logprobs)``.
 
   Both are teacher-forced at the sampling temperature, over ``micro_batches`` row chunks
   in sequence (the same rows per forward pass as the update's micro-batches).  Without a
-  reference the second output is zeros (and no reference forward pass is compiled).
+  reference the second output is zeros (and no reference forward pass is compiled).  The
+  reference may be stored in another form (``models.reference``: bf16, int8, host memory); it is
+  made dense in the policy's dtypes once, before the chunks.
   """
 
   def logprobs(model, *args):
@@ -198,6 +207,9 @@ def make_score_fn(
     return completion_stats(model, *args, impl=logprob_impl)[0]
 
   def score(params, ref_params, batch: SequenceBatch, temperature):
+    if use_reference:
+      ref_params = dense_reference(ref_params, params, offload=reference_offload)
+
     def chunk(rows):
       b, temp = rows
       args = (b.prompt_tokens, b.prompt_mask, b.completion_tokens, b.completion_mask, temp)

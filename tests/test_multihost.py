@@ -1,0 +1,245 @@
+"""Multi-process runs on one machine: 2 processes x 4 CPU devices against 1 process x 8 devices.
+
+Real processes (``python -m mimo_jax.main`` started the way ``python -m mimo_jax.launch`` starts them),
+real collectives between them (gloo), one shared run directory.  The oracle is the same run in one
+process over the same 8-device mesh, through the same collectives implementation: every metric of
+every step and every checkpoint's fingerprints (checksums of the global arrays' bits) must be equal.
+(Against the default in-process collectives of a plain one-process run the floats differ in the last
+bits: an all-reduce sums in another order.)
+
+The interruption test (PPO with a critic) sends SIGTERM to process 1 (both must save at the same step),
+resumes, kills process 0 with SIGKILL (process 1 must end on its own), resumes again, and must end
+bit-identical to one uninterrupted process.  Timeouts here only guard against hangs; nothing depends on speed.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mimo_jax.launch import describe, free_port, process_command, process_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HANG_S = 900  # a run that has not ended by then is hung
+
+SMALL = [
+  "--model_preset=tiny",
+  "--sft_steps=2",
+  "--sft_batch_size=16",
+  "--prompts_per_step=8",
+  "--num_samples=4",
+  "--eval_prompts=8",
+  "--eval_samples=2",
+  "--eval_every=0",
+  "--checkpoint_every=2",
+  "--max_new_tokens=6",
+  "--tensorboard=false",
+  "--heartbeat_timeout_s=10",
+]
+GRPO = ["--flagfile=" + os.path.join(ROOT, "experiments", "grpo_tiny.flags"), *SMALL, "--max_steps=4"]
+PPO = ["--flagfile=" + os.path.join(ROOT, "experiments", "ppo_tiny.flags"), *SMALL, "--max_steps=6"]
+
+
+def _start(run_dir, flags, num_processes: int, devices: int, log_tag: str) -> list[subprocess.Popen]:
+  port = free_port()
+  procs = []
+  for i in range(num_processes):
+    log = open(f"{run_dir}.{log_tag}.p{i}.log", "w")  # noqa: SIM115 - closed with the process
+    procs.append(
+      subprocess.Popen(
+        process_command([*flags, f"--run_dir={run_dir}"], process_id=i, num_processes=num_processes, port=port),
+        env=process_env(devices),
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+      )
+    )
+  return procs
+
+
+def _wait(procs) -> list[int]:
+  codes = []
+  deadline = time.monotonic() + HANG_S
+  for p in procs:
+    try:
+      codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      pytest.fail(f"a process of the run did not end within {HANG_S} s (hung)")
+  return codes
+
+
+def _run(run_dir, flags, num_processes: int, devices: int, log_tag: str = "run") -> list[str]:
+  codes = _wait(_start(run_dir, flags, num_processes, devices, log_tag))
+  logs = [open(f"{run_dir}.{log_tag}.p{i}.log").read() for i in range(num_processes)]
+  assert codes == [0] * num_processes, (describe(codes), logs[0][-3000:])
+  return logs
+
+
+def _records(run_dir) -> list[dict]:
+  return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def _without_timings(records):
+  return [{k: v for k, v in r.items() if not k.startswith("time_") and k != "rollout_share"} for r in records]
+
+
+def _fingerprints(run_dir) -> dict[int, dict[str, int]]:
+  out = {}
+  for path in glob.glob(os.path.join(run_dir, "checkpoints", "*", "meta", "metadata")):
+    out[int(path.split(os.sep)[-3])] = json.load(open(path))["fingerprint"]
+  return out
+
+
+def _rl_steps(run_dir) -> list[int]:
+  try:
+    return [r["step"] for r in _records(run_dir) if "reward_mean" in r]
+  except (FileNotFoundError, json.JSONDecodeError):
+    return []
+
+
+def _wait_for_rl_step(run_dir, step: int, procs) -> None:
+  deadline = time.monotonic() + HANG_S
+  while max(_rl_steps(run_dir), default=-1) < step:
+    assert all(p.poll() is None for p in procs), "a process ended before the step to interrupt at"
+    assert time.monotonic() < deadline, f"RL step {step} was not reached within {HANG_S} s (hung)"
+    time.sleep(0.1)
+
+
+def _files(run_dir) -> set[str]:
+  return {os.path.relpath(p, run_dir) for p in glob.glob(os.path.join(run_dir, "*"))}
+
+
+@pytest.mark.slow
+def test_grpo_in_two_processes_equals_one_process(tmp_path):
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  _run(one, GRPO, 1, 8)
+  logs = _run(two, GRPO, 2, 4)
+  a, b = _records(one), _records(two)
+  # Each step logged once, by process 0, with the global metrics: identical to one process's, step by step.
+  assert [r["step"] for r in b] == [r["step"] for r in a] and len({r["step"] for r in b}) == len(b)
+  assert _rl_steps(two) == [1, 2, 3, 4]
+  assert _without_timings(b) == _without_timings(a)
+  # Every checkpoint's global arrays are bit-identical (the fingerprints cover every process's shards).
+  fa, fb = _fingerprints(one), _fingerprints(two)
+  assert sorted(fb) == sorted(fa) and len(fb) == 3
+  assert fb == fa
+  # One set of run-directory files, written once (process 0), summary included.
+  assert _files(two) == _files(one) >= {"config.json", "metrics.jsonl", "summary.json", "checkpoints", "reference"}
+  assert (
+    json.load(open(os.path.join(two, "summary.json")))["final"]
+    == json.load(open(os.path.join(one, "summary.json")))["final"]
+  )
+  # Each host decodes and scores only its own rows (the rows on its devices).
+  assert "process 0 of 2: decodes and scores 16 of the 32 rollout rows (rows 0-15)" in logs[0]
+  assert "process 1 of 2: decodes and scores 16 of the 32 rollout rows (rows 16-31)" in logs[1]
+
+
+@pytest.mark.slow
+def test_ppo_in_two_processes_interrupted_twice_equals_one_uninterrupted_process(tmp_path):
+  """PPO with a critic.  SIGTERM to process 1: both save at the same step and exit cleanly; resumed, then
+  SIGKILL to process 0 (the coordinator's host): process 1 ends on its own; resumed again, the run ends
+  bit-identical to one uninterrupted process."""
+  one, run = str(tmp_path / "one"), str(tmp_path / "run")
+  _run(one, PPO, 1, 8)
+  procs = _start(run, PPO, 2, 4, "term")
+  _wait_for_rl_step(run, 1, procs)
+  procs[1].send_signal(signal.SIGTERM)
+  assert _wait(procs) == [0, 0]
+  logs = [open(f"{run}.term.p{i}.log").read() for i in range(2)]
+  said = [[line for line in log.splitlines() if line.startswith("preempted: state saved at RL step")] for log in logs]
+  assert len(said[0]) == 1 and said[0] == said[1], said
+  saved = int(said[0][0].split("RL step ")[1].split(";")[0])
+  assert 1 <= saved < 6
+  procs = _start(run, PPO, 2, 4, "kill")
+  _wait_for_rl_step(run, saved + 1, procs)
+  procs[0].kill()
+  codes = _wait(procs)
+  assert codes[0] == -signal.SIGKILL and codes[1] != 0, describe(codes)
+  logs = _run(run, PPO, 2, 4, "end")
+  assert all("resumed from rl step" in log for log in logs)
+  a, b = _records(one), _records(run)
+  assert _without_timings(b) == _without_timings(a)
+  assert all("value_loss" in r for r in b if "reward_mean" in r)
+  final = max(_fingerprints(one))
+  fa, fb = _fingerprints(one)[final], _fingerprints(run)[final]
+  assert fb == fa and any(k.startswith("value/") for k in fb)
+
+
+def test_each_host_scores_only_its_own_rows_and_every_host_gets_the_global_rewards(tmp_path):
+  """The reward path on its own, with known completions (the tiny runs above rarely earn a reward):
+  2 processes give what 1 process gives (raw, normalised and mixed rewards, metrics, the running
+  normaliser's statistics), and each process decoded exactly the rows on its devices."""
+  script = os.path.join(ROOT, "tests", "multihost_rewards.py")
+  flags = [GRPO[0], "--model_preset=tiny", "--prompts_per_step=8", "--num_samples=4", "--max_new_tokens=6"]
+  one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
+  single = subprocess.run([sys.executable, script, one, *flags], env=process_env(8), cwd=ROOT, capture_output=True)
+  assert single.returncode == 0, single.stderr.decode()[-3000:]
+  port = free_port()
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        script,
+        two,
+        *flags,
+        f"--coordinator_address=localhost:{port}",
+        "--num_processes=2",
+        f"--process_id={i}",
+      ],
+      env=process_env(4),
+      cwd=ROOT,
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE,
+    )
+    for i in range(2)
+  ]
+  assert _wait(procs) == [0, 0], procs[0].stderr.read().decode()[-3000:]
+  a, b = json.load(open(one)), json.load(open(two))
+  assert b == a
+  for step in a[:2]:
+    assert step["correct"] == step["expected_correct"] and 0 < sum(step["correct"]) < len(step["correct"])
+  assert a[2]["reward_state"]["stats"]["arith"]["correct"]["updates"] == 2
+  texts_one = json.load(open(one + ".p0"))
+  mine = [json.load(open(f"{two}.p{i}")) for i in range(2)]
+  for step in range(2):
+    assert sorted(map(int, mine[0][step])) == list(range(16))
+    assert sorted(map(int, mine[1][step])) == list(range(16, 32))
+    assert {**mine[0][step], **mine[1][step]} == texts_one[step]
+
+
+def test_the_launcher_refuses_bad_flags_and_describes_exits(capsys):
+  from mimo_jax.launch import main
+
+  for argv, message in [
+    (["--num_processes=0"], "--num_processes=0: must be >= 1"),
+    (["--devices_per_process=-1"], "--devices_per_process=-1: must be >= 0"),
+    (["--port=70000"], "--port=70000: must be in"),
+    (["--", "--process_id=1"], "--process_id is set by the launcher"),
+  ]:
+    with pytest.raises(SystemExit) as e:
+      main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+  cmd = process_command(["--seed=3"], process_id=1, num_processes=2, port=1234)
+  assert cmd[1:] == [
+    "-m",
+    "mimo_jax.main",
+    "--seed=3",
+    "--coordinator_address=localhost:1234",
+    "--num_processes=2",
+    "--process_id=1",
+  ]
+  env = process_env(4, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --other"})
+  assert env["XLA_FLAGS"] == "--other --xla_force_host_platform_device_count=4" and env["JAX_PLATFORMS"] == "cpu"
+  said = describe([-signal.SIGKILL, -signal.SIGABRT])
+  assert "process 0 was killed by SIGKILL" in said and "process 1 was killed by SIGABRT" in said
+  assert "rerun the same command to resume" in said
+  assert describe([0, 3]) == "process 1 exited with status 3"
