@@ -107,10 +107,8 @@ def local_rows(x: Any) -> np.ndarray:
   n = x.shape[0]
   if not isinstance(x, jax.Array) or x.is_fully_addressable:
     return np.arange(n)
-  rows = set()
-  for shard in x.addressable_shards:
-    rows.update(range(*shard.index[0].indices(n)) if shard.index else range(n))
-  return np.asarray(sorted(rows), np.int64)
+  spans = [np.arange(*(s.index[0].indices(n) if s.index else (0, n, 1))) for s in x.addressable_shards]
+  return np.unique(np.concatenate(spans)).astype(np.int64)
 
 
 def local_data(x: Any, rows: np.ndarray) -> np.ndarray:
@@ -118,40 +116,23 @@ def local_data(x: Any, rows: np.ndarray) -> np.ndarray:
   if not isinstance(x, jax.Array) or x.is_fully_addressable:
     return np.asarray(x)[rows]
   out = np.empty((len(rows), *x.shape[1:]), x.dtype)
-  where = {r: i for i, r in enumerate(rows.tolist())}
   for shard in x.addressable_shards:
-    block = range(*shard.index[0].indices(x.shape[0]))
-    data = np.asarray(shard.data)
-    for j, r in enumerate(block):
-      out[where[r]] = data[j]
+    start, stop, _ = shard.index[0].indices(x.shape[0])
+    out[np.searchsorted(rows, np.arange(start, stop))] = np.asarray(shard.data)
   return out
 
 
 def gather_rows(n: int, rows: np.ndarray, values: Sequence[np.ndarray]) -> list[np.ndarray]:
-  """Whole ``[n, ...]`` arrays on every process from each process's ``values`` of its own ``rows``.
+  """Whole ``[n]`` arrays on every process from each process's ``values`` of its own ``rows``, in one gather.
 
-  Every process passes the same number of arrays with the same trailing shapes and dtypes; rows held
-  by several processes (replicas) must have equal values there.
+  Every process passes the same number of 1-D arrays of the same dtypes (float32, bool or small ints,
+  which float64 holds exactly); rows held by several processes (replicas) must have equal values there.
   """
-  if not multi_process():
-    out = []
-    for v in values:
-      full = np.zeros((n, *v.shape[1:]), v.dtype)
-      full[rows] = v
-      out.append(full)
-    return out
-  counts = gather(np.array([len(rows)], np.int64))[:, 0]
-  width = int(counts.max())
-  padded_rows = np.full((width,), -1, np.int64)
-  padded_rows[: len(rows)] = rows
-  all_rows = gather(padded_rows)
-  out = []
-  for v in values:
-    padded = np.zeros((width, *v.shape[1:]), v.dtype)
-    padded[: len(v)] = v
-    everyone = gather(padded)
-    full = np.zeros((n, *v.shape[1:]), v.dtype)
-    for p in range(len(counts)):
-      full[all_rows[p, : counts[p]]] = everyone[p, : counts[p]]
-    out.append(full)
-  return out
+  table = np.zeros((n, len(values) + 1), np.float64)
+  table[rows, 0] = 1.0  # which rows this process filled
+  for i, v in enumerate(values):
+    table[rows, i + 1] = v
+  everyone = gather(table) if multi_process() else table[None]
+  owner = np.argmax(everyone[:, :, 0] > 0, axis=0)  # the first process holding each row
+  merged = everyone[owner, np.arange(n)]
+  return [merged[:, i + 1].astype(v.dtype) for i, v in enumerate(values)]
