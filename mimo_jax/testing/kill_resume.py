@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from mimo_jax.launch import process_env
+
 # Wall-clock measurements differ between any two runs; everything else must not.
 VOLATILE_PREFIXES = ("time_", "rollout_share")
 KINDS = ("mid_save", "logged", "committed")
@@ -267,9 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--devices", type=int, default=2, help="emulated CPU devices per process")
   args = parser.parse_args(own)
   os.makedirs(args.workdir, exist_ok=True)
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
-  env.setdefault("JAX_PLATFORMS", "cpu")
+  env = process_env(args.devices)
   ref, killed = os.path.join(args.workdir, "reference"), os.path.join(args.workdir, "killed")
   run_uninterrupted(flags, ref, env)
   delivered = run_with_kills(flags, killed, env, kills=args.kills, seed=args.seed)
