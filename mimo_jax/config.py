@@ -22,6 +22,7 @@ from mimo_jax.rl.losses import AGGREGATIONS, POLICY_LOSSES
 from mimo_jax.sharding import MeshConfig, validate_model_on_mesh
 
 DTYPE_CHOICES = ("", "float32", "bfloat16", "float16")
+SHAPE_FLAGS = ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
 
 
 def parse_int_list(name: str, text: str) -> tuple[int, ...]:
@@ -45,9 +46,30 @@ class ModelSpec:
   remat: str = field("", "Layer rematerialisation (empty: the preset's).", choices=("",) + REMAT_POLICIES)
   vocab_size: int = field(0, "Override the preset's vocabulary size (0: keep; set from the tokenizer).", ge=0)
   max_seq_len: int = field(0, "Override the preset's maximum sequence length (0: keep).", ge=0)
+  # The model's shape, each overriding the preset (0: keep): size sweeps and side-by-side benchmarks.
+  d_model: int = field(0, "Override the preset's residual width (0: keep).", ge=0)
+  num_layers: int = field(0, "Override the preset's number of layers (0: keep).", ge=0)
+  num_heads: int = field(0, "Override the preset's number of query heads (0: keep).", ge=0)
+  num_kv_heads: int = field(0, "Override the preset's number of key/value heads (0: keep; must divide num_heads).", ge=0)
+  head_dim: int = field(0, "Override the preset's head width (0: keep the preset's, or d_model // num_heads).", ge=0)
+  mlp_dim: int = field(0, "Override the preset's SwiGLU hidden width (0: keep).", ge=0)
 
   def __post_init__(self):
     check_fields(self)
+    if self.hf_checkpoint:
+      for name in SHAPE_FLAGS:
+        check(
+          not getattr(self, name),
+          name,
+          getattr(self, name),
+          f"the shape comes from --hf_checkpoint={self.hf_checkpoint}; leave --{name} at 0",
+        )
+    else:
+      self.model_config()  # the resolved shape is checked here, before any compute
+
+  def shape_changes(self) -> dict[str, int]:
+    """The shape flags that are set, as ModelConfig fields."""
+    return {name: getattr(self, name) for name in SHAPE_FLAGS if getattr(self, name)}
 
   def model_config(self) -> ModelConfig:
     """The resolved ModelConfig for a preset (HF checkpoints resolve their own on load)."""
@@ -63,6 +85,7 @@ class ModelSpec:
       changes["vocab_size"] = self.vocab_size
     if self.max_seq_len:
       changes["max_seq_len"] = self.max_seq_len
+    changes.update(self.shape_changes())
     return cfg.replace(**changes)
 
 

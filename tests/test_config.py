@@ -3,6 +3,7 @@
 import dataclasses
 import glob
 import os
+import re
 
 import jax
 import pytest
@@ -382,3 +383,86 @@ def test_every_group_estimator_refuses_one_sample_per_prompt():
   for name in rl.ADVANTAGE_ESTIMATORS:
     with pytest.raises(ConfigError, match=rf"--num_samples=1: group advantages \({name}\)"):
       validate(parse_config(["prog", f"--advantage={name}", "--num_samples=1"]), jax.device_count())
+
+
+# ---- the model's shape from flags (size sweeps, side-by-side benchmarks)
+
+
+def test_shape_flags_override_the_preset_and_zero_keeps_it():
+  from mimo_jax.models.config import tiny
+
+  assert parse_config(["prog", "--model_preset=tiny"]).model.model_config() == tiny()
+  cfg = parse_config(
+    [
+      "prog",
+      "--model_preset=tiny",
+      "--d_model=96",
+      "--num_layers=3",
+      "--num_heads=6",
+      "--num_kv_heads=3",
+      "--mlp_dim=160",
+    ]
+  ).model.model_config()
+  assert (cfg.d_model, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.mlp_dim) == (96, 3, 6, 3, 160)
+  assert cfg.resolved_head_dim == 16 and cfg.vocab_size == tiny().vocab_size
+  # Hand count: per layer q 96*96, k and v 96*48 each, o 96*96, MLP 3*96*160, two norms 2*96;
+  # untied embedding and unembedding 2*256*96, final norm 96.
+  layer = 96 * 96 + 2 * 96 * 48 + 96 * 96 + 3 * 96 * 160 + 2 * 96
+  assert cfg.num_params() == 3 * layer + 2 * 256 * 96 + 96
+  explicit = parse_config(["prog", "--model_preset=tiny", "--head_dim=32"]).model.model_config()
+  assert explicit.resolved_head_dim == 32 and explicit.d_model == 64
+
+
+def test_shape_flags_build_the_model_they_name():
+  import flax.nnx as nnx
+
+  from mimo_jax.models import Transformer
+
+  spec = parse_config(["prog", "--model_preset=tiny", "--d_model=48", "--num_layers=1", "--mlp_dim=80"]).model
+  model = Transformer(spec.model_config(), rngs=nnx.Rngs(0))
+  count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert count == spec.model_config().num_params() == (48 * 48 * 2 + 2 * 48 * 24 + 3 * 48 * 80 + 96) + 2 * 256 * 48 + 48
+
+
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["--num_kv_heads=3"], "--num_kv_heads=3: must divide num_heads=4"),
+    (["--d_model=66"], "--d_model=66: must be divisible by num_heads=4 when head_dim is not set"),
+    (["--head_dim=7"], "--head_dim=7: must be even"),
+    (["--num_layers=-1"], "--num_layers=-1: must be >= 0"),
+    (["--mlp_dim=1.5"], "mlp_dim"),
+    (["--hf_checkpoint=/some/dir", "--d_model=64"], "--d_model=64: the shape comes from --hf_checkpoint"),
+  ],
+)
+def test_bad_shapes_are_refused_naming_the_flag(argv, message):
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    parse_config(["prog", "--model_preset=tiny", *argv])
+
+
+def test_tensor_parallel_is_checked_against_the_overridden_heads():
+  cfg = parse_config(["prog", "--num_heads=8", "--num_kv_heads=8", "--mesh_fsdp=1", "--mesh_tensor=8"])
+  validate(cfg, 8)  # 8 heads now divide tensor parallel 8 (tiny's own 4 do not)
+  with pytest.raises(ConfigError, match="mesh_tensor=8"):
+    validate(parse_config(["prog", "--num_heads=2", "--num_kv_heads=2", "--mesh_fsdp=1", "--mesh_tensor=8"]), 8)
+
+
+def test_a_resume_refuses_another_shape_and_accepts_a_run_written_before_the_shape_flags():
+  import json
+
+  from mimo_jax.train.rundir import identity_mismatches
+
+  cfg = parse_config(["prog", "--model_preset=tiny"])
+  old = json.loads(cfg.to_json())
+  for name in ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+    del old["model"][name]
+  assert identity_mismatches(old, cfg.to_dict()) == []
+  wider = parse_config(["prog", "--model_preset=tiny", "--d_model=128"]).to_dict()
+  assert identity_mismatches(old, wider) == ["--d_model: 0 -> 128"]
+
+
+def test_main_builds_the_shape_the_flags_name(capsys):
+  path = os.path.join(ROOT, "experiments", "smoke_tiny.flags")
+  assert main(["prog", f"--flagfile={path}", "--d_model=32", "--num_layers=1"]) == 0
+  # 1 layer at d 32 (head 8, kv width 16, MLP 128) plus embedding and unembedding 2*256*32 and the final norm.
+  assert "params: 31840" in capsys.readouterr().out

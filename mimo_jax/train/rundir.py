@@ -24,7 +24,19 @@ from mimo_jax.train.logger import MetricsLogger
 LOCK_NAME = ".lock"
 # What makes two runs the same run: a resume with any of these changed would train another model.
 IDENTITY = {
-  "model": ("model_preset", "hf_checkpoint", "vocab_size", "param_dtype", "max_seq_len"),
+  "model": (
+    "model_preset",
+    "hf_checkpoint",
+    "vocab_size",
+    "param_dtype",
+    "max_seq_len",
+    "d_model",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "mlp_dim",
+  ),
   "data": ("task", "tokenizer_path", "arith_levels", "arith_reverse", "data_path"),
   "rollout": ("num_samples",),
   "data_rows": ("prompts_per_step",),
@@ -82,7 +94,9 @@ def identity_mismatches(previous: dict[str, Any], current: dict[str, Any]) -> li
     section = "data" if section == "data_rows" else section
     fields = {f.name: f for f in dataclasses.fields(CONCERN_CLASSES[section])}
     for name in names:
-      old, new = previous.get(section, {}).get(name), current.get(section, {}).get(name)
+      # A setting added after the run was written counts as its default there.
+      default = fields[name].default
+      old, new = previous.get(section, {}).get(name, default), current.get(section, {}).get(name, default)
       # Compared as the field's type: a config.json holds a tuple as a list (or, written before
       # list settings were tuples, as its command-line text).
       if old is not None:
