@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 from mimo_jax.config_base import ConfigError, check, check_fields, field, format_list
@@ -50,7 +51,9 @@ class ModelSpec:
   d_model: int = field(0, "Override the preset's residual width (0: keep).", ge=0)
   num_layers: int = field(0, "Override the preset's number of layers (0: keep).", ge=0)
   num_heads: int = field(0, "Override the preset's number of query heads (0: keep).", ge=0)
-  num_kv_heads: int = field(0, "Override the preset's number of key/value heads (0: keep; must divide num_heads).", ge=0)
+  num_kv_heads: int = field(
+    0, "Override the preset's number of key/value heads (0: keep; must divide num_heads).", ge=0
+  )
   head_dim: int = field(0, "Override the preset's head width (0: keep the preset's, or d_model // num_heads).", ge=0)
   mlp_dim: int = field(0, "Override the preset's SwiGLU hidden width (0: keep).", ge=0)
 
@@ -429,9 +432,20 @@ class CheckpointConfig:
     "Start afresh in a run directory that holds another configuration's run, or checkpoints none of which "
     "restores (its checkpoints, reference, metrics and summary are deleted); refused otherwise.",
   )
+  keep_best: str = field(
+    "",
+    "Also keep the checkpoint with the best held-out metric (greedy_accuracy, pass@K or maj@K; higher is "
+    "better) in RUN_DIR/best/, beside the last --keep_last (empty: off). Evaluated steps only: see --eval_every.",
+  )
 
   def __post_init__(self):
     check_fields(self)
+    check(
+      not self.keep_best or re.fullmatch(r"greedy_accuracy|(pass|maj)@[1-9][0-9]*", self.keep_best) is not None,
+      "keep_best",
+      self.keep_best,
+      "allowed values: greedy_accuracy, pass@K, maj@K (K a positive integer), or empty",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,9 +455,64 @@ class LoggingConfig:
   run_dir: str = field("", "Run directory (default runs/<experiment>-<timestamp>).")
   log_every: int = field(1, "Print a progress line every N steps.", ge=1)
   tensorboard: bool = field(True, "Write TensorBoard event files.")
+  log_samples: int = field(
+    2,
+    "Sample replay: each RL step, the k highest- and k lowest-reward completions and the k prompts with "
+    "the largest KL go to RUN_DIR/samples.jsonl (and TensorBoard text); 0 turns it off.",
+    ge=0,
+  )
+  # Failure-shape alarms (mimo_jax/train/alarms.py): what each detector fires on, and what a firing does.
+  on_alarm: str = field(
+    "log",
+    "What a firing alarm does: log (RUN_DIR/alarms.jsonl and the log) or rollback (also restore the last "
+    "checkpoint before the alarm's onset and continue with --alarm_lr_factor and --alarm_kl_factor applied).",
+    choices=("log", "rollback"),
+  )
+  max_alarm_rollbacks: int = field(2, "With --on_alarm=rollback: at most this many alarm rollbacks per run.", ge=0)
+  alarm_window: int = field(10, "Alarm smoothing window in RL steps (nothing fires before two windows).", ge=2)
+  alarm_reward_drop: float = field(
+    0.5, "reward_collapse: the smoothed reward lost this fraction of its rise above the first window.", gt=0, le=1
+  )
+  alarm_reward_min_rise: float = field(0.05, "reward_collapse: only after a rise of at least this much.", gt=0)
+  alarm_entropy_floor: float = field(
+    0.1, "entropy_collapse: the smoothed entropy fell below this fraction of the first window's.", gt=0, lt=1
+  )
+  alarm_kl_max: float = field(1.0, "kl_blowup: the smoothed KL to the reference (kl_k3) exceeds this.", gt=0)
+  alarm_value_spike: float = field(
+    10.0, "value_loss_spike: the value loss exceeds this times the median of the window before.", gt=1
+  )
+  alarm_length_growth: float = field(
+    3.0, "length_explosion: the smoothed response length exceeds this times the first window's.", gt=1
+  )
+  alarm_grad_floor: float = field(
+    0.01, "grad_norm_collapse: the smoothed gradient norm fell below this fraction of the first window's.", gt=0, lt=1
+  )
+  alarm_jitter_acf: float = field(
+    0.6,
+    "reward_jitter: the reward changes' autocorrelation at a period of 2 .. alarm_window steps and at twice it exceeds this.",
+    gt=0,
+    lt=1,
+  )
+  alarm_lr_factor: float = field(0.5, "With --on_alarm=rollback: multiply the learning rate by this.", gt=0, le=1)
+  alarm_kl_factor: float = field(2.0, "With --on_alarm=rollback: multiply the KL coefficient by this.", ge=1)
 
   def __post_init__(self):
     check_fields(self)
+
+  def alarm_settings(self):
+    from mimo_jax.train.alarms import AlarmSettings
+
+    return AlarmSettings(
+      window=self.alarm_window,
+      reward_drop=self.alarm_reward_drop,
+      reward_min_rise=self.alarm_reward_min_rise,
+      entropy_floor=self.alarm_entropy_floor,
+      kl_max=self.alarm_kl_max,
+      value_spike=self.alarm_value_spike,
+      length_growth=self.alarm_length_growth,
+      grad_floor=self.alarm_grad_floor,
+      jitter_acf=self.alarm_jitter_acf,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -518,7 +587,7 @@ CONCERN_CLASSES: dict[str, type] = {
 # Keys a run's ``config.json`` may hold besides the concerns: records of the machine the run last
 # started on (e.g. the sandbox isolation in effect), not settings.  Readers that rebuild a Config
 # skip them, and a resume never compares them (the next machine may legitimately differ).
-RUN_RECORD_KEYS = ("sandbox",)
+RUN_RECORD_KEYS = ("sandbox", "provenance")
 
 
 def validate(cfg: Config, num_devices: int) -> None:
@@ -560,6 +629,16 @@ def validate(cfg: Config, num_devices: int) -> None:
   cfg.mesh.resolve(num_devices)
   if not cfg.model.hf_checkpoint:
     validate_model_on_mesh(cfg.model.model_config(), cfg.mesh, num_devices)
+  if cfg.checkpoint.keep_best.startswith(("pass@", "maj@")):
+    from mimo_jax.eval.evaluator import default_ks
+
+    ks = default_ks(cfg.run.eval_samples)
+    check(
+      int(cfg.checkpoint.keep_best.split("@")[1]) in ks,
+      "keep_best",
+      cfg.checkpoint.keep_best,
+      f"the run evaluates k in {list(ks)} (from --eval_samples={cfg.run.eval_samples})",
+    )
   check(
     cfg.algo.advantage not in ADVANTAGE_ESTIMATORS or cfg.rollout.num_samples >= 2,
     "num_samples",

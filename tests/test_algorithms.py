@@ -19,6 +19,7 @@ from mimo_jax.models.config import tiny
 from mimo_jax.optim import TrainState, make_optimizer
 from mimo_jax.tasks.arith import make_problem, parse_operands
 from mimo_jax.testing import FakeRollout, count_compilations, kill_resume
+from mimo_jax.train.metric_names import describe
 from mimo_jax.train.steps import SequenceBatch, ValueBatch, ValueSettings, make_value_fn, make_value_update_fn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,6 +153,8 @@ def ppo_run(tmp_path_factory):
 def test_ppo_run_logs_controllers_and_checkpoints_their_state(ppo_run):
   rl = [r for r in kill_resume.load_metrics(str(ppo_run)) if "reward_mean" in r]
   assert [r["step"] for r in rl] == [1, 2, 3, 4]
+  raw = [json.loads(line) for line in open(ppo_run / "metrics.jsonl")]
+  assert sorted({k for r in raw for k in r if describe(k) is None}) == []  # the README's naming table
   assert "pg_loss" not in rl[0] and rl[0]["value_passes"] == 1  # step 0 trains only the critic
   for key in ("pg_loss", "value_loss", "explained_variance", "kl_prompt_max", "kl_prompt_p95", "phase"):
     assert key in rl[1], key
@@ -194,8 +197,10 @@ def test_ppo_and_dynamic_sampling_compile_nothing_after_warmup(tmp_path):
       state, _ = run.step(state, step)
     with count_compilations() as c:
       for step in range(2, 4):
-        state, (record, _) = run.step(state, step)
+        state, (record, *_) = run.step(state, step)
     assert c.count == 0, extra
+    # Every key follows the documented naming convention (dynamic sampling's and the critic's included).
+    assert [k for k in record if describe(k) is None] == [], extra
     run.close()
 
 
@@ -234,7 +239,7 @@ def test_logged_rewards_stay_raw_under_shaping(tmp_path):
   shaping = ["--reward_clip_low=0.2", "--reward_clip_high=0.8", "--reward_ema=0.9", "--advantage=reinforce_baseline"]
   run, state = _scripted_run(tmp_path, *shaping, "--overlong=penalty", "--overlong_buffer=5")
   for step in range(2):
-    state, (record, hist) = run.step(state, step)
+    state, (record, hist, _) = run.step(state, step)
     raw = np.asarray(hist["reward_hist"])
     assert set(np.unique(raw)) <= {0.0, 1.0}  # the verifier's rewards, untouched
     assert record["reward_mean"] == pytest.approx(raw.mean()) and record["accuracy"] == pytest.approx(raw.mean())
@@ -248,13 +253,13 @@ def test_logged_rewards_stay_raw_under_shaping(tmp_path):
 
 def test_dynamic_sampling_replaces_all_equal_groups(tmp_path):
   run, state = _scripted_run(tmp_path / "plain")
-  _, (plain, _) = run.step(state, 0)
+  _, (plain, *_) = run.step(state, 0)
   run.close()
   assert plain["frac_groups_all_equal"] > 0.2  # about half the prompts have an even sum
 
   run, state = _scripted_run(tmp_path / "ds", "--dynamic_sampling", "--dynamic_sampling_max_rounds=4")
   for step in range(3):
-    state, (record, hist) = run.step(state, step)
+    state, (record, hist, _) = run.step(state, step)
     assert record["ds_rounds"] >= 2
     assert record["frac_groups_all_equal"] == 0.0 and record["ds_filled_groups"] == 0
     # Every kept group is a mixed one: samples 0 and 1 right, 2 and 3 wrong.
@@ -266,7 +271,7 @@ def test_dynamic_sampling_replaces_all_equal_groups(tmp_path):
 
   # With no extra rounds allowed the batch is filled with the all-equal groups, and counted.
   run, state = _scripted_run(tmp_path / "bounded", "--dynamic_sampling", "--dynamic_sampling_max_rounds=0")
-  _, (record, _) = run.step(state, 0)
+  _, (record, *_) = run.step(state, 0)
   assert record["frac_groups_all_equal"] == pytest.approx(plain["frac_groups_all_equal"])
   run.close()
 
@@ -299,7 +304,7 @@ def test_a_raising_reward_is_a_recorded_failure_and_the_run_goes_on(tmp_path):
     return verify(problem, text)
 
   run.task.reward = flaky  # the composite reward calls the task's verifier in-process (--reward_workers=0)
-  state, (record, hist) = run.step(state, 0)
+  state, (record, hist, _) = run.step(state, 0)
   assert record["reward/failures"] > 0 and record["reward/correct_fail_frac"] > 0
   assert np.isfinite(record["reward_mean"]) and np.isfinite(record["loss"])
   run.close()
@@ -327,7 +332,7 @@ def test_a_reward_model_is_a_logged_reward_component(tmp_path):
   )
   probe.close()
   run, state = _scripted_run(tmp_path / "run", f"--reward_model={tmp_path / 'rm'}", "--reward_model_weight=0.5")
-  state, (record, hist) = run.step(state, 0)
+  state, (record, hist, _) = run.step(state, 0)
   assert record["reward/failures"] == 0 and np.isfinite(record["reward/reward_model_mean"])
   assert "reward/reward_model" in hist and "reward/correct" in hist
   # The mix is verifier + 0.5 x reward model: the logged reward is not the verifier's alone.

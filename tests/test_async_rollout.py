@@ -406,7 +406,7 @@ def test_async_steps_compile_nothing_after_warmup(tmp_path):
   state, _ = run.step(state, 1)
   with count_compilations() as c:
     for step in range(2, 6):
-      state, (record, _) = run.step(state, step)
+      state, (record, *_) = run.step(state, step)
   assert c.count == 0
   assert record["staleness_max"] == 1.0
   run.close()
@@ -464,7 +464,7 @@ def test_a_run_on_a_rollout_sub_mesh_generates_on_its_own_devices(tmp_path):
   state = run.begin_rl(run.fresh_state("rl").params, {})
   records = []
   for step in range(3):
-    state, (record, _) = run.step(state, step)
+    state, (record, *_) = run.step(state, step)
     records.append(record)
   batch_leaf = run.rollout.worker.sampler._state  # the producer's current weights
   assert all(set(x.sharding.device_set) == rollout_devices for x in jax.tree.leaves(batch_leaf))

@@ -355,3 +355,72 @@ def test_cli_refuses_a_corrupted_checkpoint(trained_run, tmp_path, capsys):
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
   rc, _, err = _cli(capsys, f"--checkpoint={copy / 'checkpoints' / '9'}")
   assert rc == 2 and "corrupted" in err and "checkpoint 9" in err
+
+
+def test_cli_all_evaluates_every_checkpoint_into_the_eval_curve_and_resumes(trained_run, tmp_path, capsys, monkeypatch):
+  """--run_dir --all: one row per kept checkpoint, each equal to the run's own evaluation of that policy
+  (SFT end and RL step 0 are the warm start, the last is the final); a rerun reuses the finished rows."""
+  import shutil
+
+  monkeypatch.setattr(ArithTask, "reward", _hashed_reward)
+  src, evals = trained_run
+  run_dir = tmp_path / "run"
+  shutil.copytree(src, run_dir)
+  rc, res, err = _cli(capsys, f"--run_dir={run_dir}", "--all", "--eval_prompts=16")
+  assert rc == 0, err
+  rows = [json.loads(line) for line in open(run_dir / "eval_curve.jsonl")]
+  assert [(r["checkpoint_step"], r["phase"], r["step"]) for r in rows] == [(6, "sft", 6), (7, "rl", 0), (9, "rl", 2)]
+  warm, final = evals[0]["eval/greedy_accuracy"], evals[3]["eval/greedy_accuracy"]
+  assert [r["greedy_accuracy"] for r in rows] == [warm, warm, final]
+  assert res["eval_curve"] == [{k: r[k] for k in ("checkpoint_step", "phase", "step", "greedy_accuracy")} for r in rows]
+  # Rerun with the same settings: the rows of checkpoints 7 and 9 are reused as they are (the first is
+  # evaluated again to learn the resolved settings).
+  before = (run_dir / "eval_curve.jsonl").read_text()
+  rows[2]["marker"] = True
+  (run_dir / "eval_curve.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  rc, _, err = _cli(capsys, f"--run_dir={run_dir}", "--all", "--eval_prompts=16")
+  assert rc == 0, err
+  again = [json.loads(line) for line in open(run_dir / "eval_curve.jsonl")]
+  assert again[2].get("marker") is True and [r["greedy_accuracy"] for r in again] == [warm, warm, final]
+  assert before.count("\n") == 3
+  # Bad combinations are refused before anything runs.
+  for argv, message in (
+    (["--all"], "--all needs --run_dir"),
+    ([f"--run_dir={run_dir}"], "--run_dir is the run of --all"),
+    ([f"--run_dir={run_dir}", "--all", f"--checkpoint={run_dir}"], "leave out --checkpoint"),
+  ):
+    rc, _, err = _cli(capsys, *argv)
+    assert rc == 2 and message in err, (argv, err)
+
+
+def test_keep_best_keeps_the_best_evaluated_policy_beside_the_last_ones(tmp_path, capsys, monkeypatch):
+  monkeypatch.setattr(ArithTask, "reward", _hashed_reward)
+  run_dir = tmp_path / "run"
+  flags = [*TRAIN, "--max_steps=4", "--eval_every=1", "--keep_best=greedy_accuracy", "--learning_rate=3e-3"]
+  assert train_main(["prog", *flags, f"--run_dir={run_dir}"]) == 0
+  metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+  # RL evaluations: steps 1-3 (every step but the last) and the final one, logged at max_steps + 1.
+  evals = [(m["step"], m["eval/greedy_accuracy"]) for m in metrics if "eval/greedy_accuracy" in m and m["step"] > 0]
+  assert [s for s, _ in evals] == [1, 2, 3, 5]
+  best_step, best = max(evals, key=lambda e: (e[1], -e[0]))  # the first of the best
+  best_rl_step = min(best_step, 4)
+  kept = sorted(int(n) for n in os.listdir(run_dir / "best") if n.isdigit())
+  assert kept == [6 + 1 + best_rl_step]  # one checkpoint axis: SFT steps 1..6, RL step k at 7 + k
+  summary = json.loads((run_dir / "summary.json").read_text())
+  assert summary["best"] == {"metric": "greedy_accuracy", "value": best}
+  # The newest checkpoints are kept as always (--keep_last=3), the best one beside them.
+  assert sorted(int(n) for n in os.listdir(run_dir / "checkpoints") if n.isdigit())[-1] == 11
+  rc, res, err = _cli(capsys, f"--checkpoint={run_dir / 'best' / str(kept[0])}")
+  assert rc == 0, err
+  assert (res["phase"], res["step"], res["greedy_accuracy"]) == ("rl", best_rl_step, best)
+
+
+def test_keep_best_names_a_held_out_metric():
+  from mimo_jax.config import ConfigError, validate
+  from mimo_jax.main import parse_config
+
+  with pytest.raises(ConfigError, match="--keep_best='reward_mean': allowed values: greedy_accuracy, pass@K"):
+    parse_config(["prog", "--keep_best=reward_mean"])
+  with pytest.raises(ConfigError, match=r"--keep_best='pass@3'.*k in \[1, 8\]"):
+    validate(parse_config(["prog", "--keep_best=pass@3", "--eval_samples=8"]), 8)
+  validate(parse_config(["prog", "--keep_best=pass@8", "--eval_samples=8"]), 8)

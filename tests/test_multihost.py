@@ -25,6 +25,7 @@ import time
 import pytest
 
 from mimo_jax.launch import describe, free_port, process_command, process_env
+from mimo_jax.testing import kill_resume
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANG_S = 900  # a run that has not ended by then is hung
@@ -89,7 +90,7 @@ def _records(run_dir) -> list[dict]:
 
 
 def _without_timings(records):
-  return [{k: v for k, v in r.items() if not k.startswith("time_") and k != "rollout_share"} for r in records]
+  return [{k: v for k, v in r.items() if not k.startswith(kill_resume.VOLATILE_PREFIXES)} for r in records]
 
 
 def _fingerprints(run_dir) -> dict[int, dict[str, int]]:
@@ -132,8 +133,16 @@ def test_grpo_in_two_processes_equals_one_process(tmp_path):
   fa, fb = _fingerprints(one), _fingerprints(two)
   assert sorted(fb) == sorted(fa) and len(fb) == 3
   assert fb == fa
+  # The sample replay is the global one too: the texts of rows another host scored are gathered.
+  samples = [json.loads(line) for line in open(os.path.join(two, "samples.jsonl"))]
+  assert samples == [json.loads(line) for line in open(os.path.join(one, "samples.jsonl"))]
+  assert len(samples) == 4 * 6 and any(s["row"] >= 16 for s in samples)
   # One set of run-directory files, written once (process 0), summary included.
-  assert _files(two) == _files(one) >= {"config.json", "metrics.jsonl", "summary.json", "checkpoints", "reference"}
+  assert (
+    _files(two)
+    == _files(one)
+    >= {"config.json", "metrics.jsonl", "samples.jsonl", "summary.json", "checkpoints", "reference"}
+  )
   assert (
     json.load(open(os.path.join(two, "summary.json")))["final"]
     == json.load(open(os.path.join(one, "summary.json")))["final"]

@@ -40,3 +40,13 @@ def test_setup_installs_every_package(monkeypatch):
   runpy.run_path(os.path.join(ROOT, "setup.py"), run_name="__main__")
   missing = _source_packages() - set(captured["packages"])
   assert not missing, f"setup.py does not install: {sorted(missing)}"
+
+
+def test_the_readme_lists_every_metric_name_of_the_convention():
+  from mimo_jax.train.metric_names import METRICS, describe
+
+  readme = open(os.path.join(ROOT, "README.md")).read()
+  for key, meaning in METRICS:
+    assert f"| `{key}` | {meaning} |" in readme, key
+  assert describe("reward/correct_mean") and describe("time_generate_s") and describe("mem_peak_gib")
+  assert describe("rewards_mean") is None and describe("time_generate") is None

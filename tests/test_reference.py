@@ -16,6 +16,7 @@ from mimo_jax.models.config import tiny
 from mimo_jax.models.logprobs import completion_logprobs
 from mimo_jax.models.reference import Int8Weight, abstract_reference, dense_reference, make_reference
 from mimo_jax.sharding import MeshConfig, build_mesh
+from mimo_jax.testing import kill_resume
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +133,7 @@ def test_a_run_with_an_int8_reference_in_host_memory_equals_one_with_it_in_devic
 
   def records(d):
     return [
-      {k: v for k, v in json.loads(line).items() if not k.startswith("time_") and k != "rollout_share"}
+      {k: v for k, v in json.loads(line).items() if not k.startswith(kill_resume.VOLATILE_PREFIXES)}
       for line in open(d / "metrics.jsonl")
     ]
 

@@ -153,3 +153,47 @@ def test_a_non_writer_run_directory_writes_nothing(tmp_path):
     with pytest.raises(Exception, match="in use by another trainer"):
       RunDirLock(str(path))
   assert (path / "config.json").exists()
+
+
+def test_the_sample_replay_is_cut_back_with_the_metrics_on_a_resume(tmp_path):
+  """samples.jsonl follows metrics.jsonl: a resume from step 2 drops the rows of later steps (they will be
+  written again) and a row cut by a kill; TensorBoard gets each step's rows as text."""
+  import glob
+
+  from mimo_jax.train.logger import MetricsLogger
+
+  def rows(step):
+    row = {"step": step, "kind": "reward_top", "row": 0, "prompt_id": 7, "prompt": "1+1=", "completion": "2"}
+    return [{**row, "reward": 1.0, "length": 2, "finish_reason": "stop"}]
+
+  logger = MetricsLogger(str(tmp_path), tensorboard=True)
+  for step in (1, 2, 3):
+    logger.log(step, {"reward_mean": 0.5}, None, rows(step))
+  logger.close()
+  with open(tmp_path / "samples.jsonl", "a") as f:
+    f.write('{"step": 4, "kind": "rew')  # a line cut by a kill
+  events = b"".join(open(p, "rb").read() for p in glob.glob(str(tmp_path / "tensorboard" / "*")))
+  assert b"samples" in events and b"1+1=" in events
+  logger = MetricsLogger(str(tmp_path), tensorboard=False, keep_through=2)
+  logger.log(3, {"reward_mean": 0.25}, None, rows(3) * 2)
+  logger.close()
+  samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+  assert [s["step"] for s in samples] == [1, 2, 3, 3]
+  assert [json.loads(line)["reward_mean"] for line in open(tmp_path / "metrics.jsonl")] == [0.5, 0.5, 0.25]
+  # A process that does not write (not process 0 of a multi-process run) writes no rows.
+  other = MetricsLogger(str(tmp_path / "other"), write=False)
+  other.log(1, {"reward_mean": 0.5}, None, rows(1))
+  assert not (tmp_path / "other").exists()
+
+
+def test_device_memory_metrics_from_the_allocator_statistics():
+  from mimo_jax.train.logger import GIB, device_memory, memory_metrics
+
+  # The fields an accelerator's memory_stats() reports (GPU and TPU name them alike).
+  stats = [
+    {"bytes_in_use": 3 * GIB, "peak_bytes_in_use": 5 * GIB, "bytes_limit": 80 * GIB},
+    {"bytes_in_use": 4 * GIB, "peak_bytes_in_use": 4.5 * GIB, "bytes_limit": 79 * GIB},
+  ]
+  assert memory_metrics(stats) == {"mem_in_use_gib": 4.0, "mem_peak_gib": 5.0, "mem_limit_gib": 79.0}
+  assert memory_metrics([None, {}]) == {}
+  assert device_memory() == {}  # the CPU backend reports no allocator statistics: no metric, not a zero

@@ -21,6 +21,7 @@ from mimo_jax.rl.controllers import DynamicCoefs
 from mimo_jax.rollout import Sampler, SamplingParams, left_pad
 from mimo_jax.sharding import MeshConfig, build_mesh
 from mimo_jax.testing import count_compilations
+from mimo_jax.train.metric_names import describe
 from mimo_jax.train.steps import PolicyBatch, SequenceBatch, UpdateSettings, make_score_fn, make_update_fn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -206,7 +207,7 @@ def test_rl_steps_compile_nothing_after_warmup_and_keep_heldout_out(tmp_path):
   state, _ = run.step(state, 1)
   with count_compilations() as c:
     for step in range(2, 5):
-      state, (record, hist) = run.step(state, step)
+      state, (record, hist, _) = run.step(state, step)
   assert c.count == 0
   assert record["time_step_s"] > 0
   assert set(hist) == {"reward_hist", "response_len_hist", "reward/correct", "reward/mixed"}
@@ -240,12 +241,34 @@ def test_end_to_end_run_writes_the_run_directory(tmp_path, capsys):
   ):
     assert key in rl[0], key
   assert "eval/greedy_accuracy" in rl[1] and "time_checkpoint_s" in rl[1]
+  assert sorted({k for r in lines for k in r if describe(k) is None}) == []  # the README's naming table
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["seed"] == 0 and summary["rl_steps"] == 3
+  # The compute ledger: per-step phases add up, the totals accumulate, and the summary holds them.
+  assert all(
+    r["flops_step"] == r["flops_generate"] + r["flops_score"] + r["flops_reference"] + r["flops_learn"] for r in rl
+  )
+  assert [r["flops_total"] for r in rl] == list(itertools.accumulate(r["flops_step"] for r in rl))
+  assert [r["samples_total"] for r in rl] == [32, 64, 96] and all(r["flops_reference"] > 0 for r in rl)
+  assert summary["compute"]["flops_total"] == rl[-1]["flops_total"] and summary["compute"]["samples_total"] == 96
+  assert summary["libraries"]["jax"] == jax.__version__ and set(summary["code"]) == {"package", "commit", "dirty"}
   assert set(summary["warm_start"]) >= {"greedy_accuracy", "pass@1", "pass@2"}
   config = json.loads((tmp_path / "config.json").read_text())
   assert config["run"]["max_steps"] == 3
   assert os.listdir(tmp_path / "tensorboard")
+  # The sample replay: per RL step the 2 best, the 2 worst and the 2 highest-KL prompts' completions.
+  samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+  for r in rl:
+    rows = [s for s in samples if s["step"] == r["step"]]
+    assert [s["kind"] for s in rows] == ["reward_top"] * 2 + ["reward_bottom"] * 2 + ["kl_top"] * 2
+    assert all(s["batch_id"] == r["step"] - 1 == s["policy_version"] for s in rows)
+    rewards = [s["reward"] for s in rows]
+    assert rewards[0] >= rewards[1] and rewards[2] <= rewards[3] and rewards[1] >= rewards[3]
+    kl = [s for s in rows if s["kind"] == "kl_top"]
+    # The largest per-prompt KL is the logged tail's maximum, and its prompt the logged worst id.
+    assert kl[0]["prompt_kl"] == pytest.approx(r["kl_prompt_max"], rel=1e-4, abs=1e-9)
+    assert kl[0]["prompt_id"] == r["kl_prompt_max_id"] and kl[0]["prompt_kl"] >= kl[1]["prompt_kl"]
+    assert all(set(s["components"]) == {"correct"} and s["finish_reason"] in ("stop", "length") for s in rows)
   # One checkpoint axis: SFT steps 1..6, then RL step k at 6 + 1 + k; the newest 3 are kept.
   assert sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit()) == [7, 9, 10]
 
@@ -343,7 +366,7 @@ def test_reward_and_advantage_wiring_with_a_scripted_rollout(tmp_path, correct_s
   replay.bit_generator.state = run.data_rng.bit_generator.state
   holder["problems"] = run.task.sample(replay, cfg.data.prompts_per_step)
   version = run.sampler.params_version
-  state, (record, hist) = run.step(state, 0)
+  state, (record, hist, samples) = run.step(state, 0)
   assert record["reward_mean"] == expected_reward and record["accuracy"] == expected_reward
   assert record["frac_groups_all_equal"] == (1.0 if expected_reward == 1.0 else 0.0)
   if expected_reward == 1.0:
@@ -354,6 +377,22 @@ def test_reward_and_advantage_wiring_with_a_scripted_rollout(tmp_path, correct_s
   expected = [float(g in correct_samples) for _ in range(cfg.data.prompts_per_step) for g in range(G)]
   np.testing.assert_array_equal(hist["reward_hist"], expected)
   assert run.sampler.params_version == version + 1  # weights synced after the update
+  # The sample replay: the 2 highest rewards (ties: lower rows first), the 2 lowest (ties: higher rows
+  # first), with the scripted texts, their rewards and provenance.
+  B = len(expected)
+  low = sorted(range(B), key=lambda i: (expected[i], -i))[:2]
+  high = sorted(range(B), key=lambda i: (-expected[i], i))[:2]
+  by_kind = {k: [r for r in samples if r["kind"] == k] for k in ("reward_top", "reward_bottom", "kl_top")}
+  assert [r["row"] for r in by_kind["reward_top"]] == high and [r["row"] for r in by_kind["reward_bottom"]] == low
+  for r in by_kind["reward_top"] + by_kind["reward_bottom"]:
+    problem = holder["problems"][r["row"] // G]
+    right = r["row"] % G in correct_samples
+    assert r["completion"] == (problem.answer if right else problem.answer + "1") and r["prompt"] == problem.prompt
+    assert r["reward"] == float(right) and r["correct"] == right and r["components"]["correct"] == float(right)
+    assert (r["step"], r["batch_id"], r["policy_version"], r["finish_reason"]) == (1, 0, 0, "stop")
+    assert r["length"] == len(run.tokenizer.encode(r["completion"])) + 1  # the stop token counts
+    assert (r["temperature"], r["top_k"], r["top_p"]) == (cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+  assert by_kind["kl_top"] == []  # no reference at kl_coef=0: nothing to measure a KL against
   run.close()
 
 

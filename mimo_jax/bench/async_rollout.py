@@ -86,7 +86,7 @@ def measure(flags: Sequence[str], warmup: int, steps: int) -> dict:
     records = []
     t0 = time.perf_counter()
     for step in range(warmup, total):
-      state, (record, _) = run.step(state, step)
+      state, (record, *_) = run.step(state, step)
       records.append(record)
     wall = time.perf_counter() - t0
     run.close()

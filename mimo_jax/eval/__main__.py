@@ -3,6 +3,11 @@
     python -m mimo_jax.eval --checkpoint=runs/<run>[/checkpoints/<step>] [--eval_samples=64] [--ks=1,8,64]
         [--eval_prompts=N] [--eval_temperature=1.0] [--max_batch_rows=R] [--eval_seed=0] [--output=path.json]
         [--allow_weak_sandbox]
+    python -m mimo_jax.eval --run_dir=runs/<run> --all [the same settings]
+
+``--all`` evaluates every kept checkpoint of the run, oldest first, and writes
+``<run_dir>/eval_curve.jsonl`` (one row per checkpoint, rewritten after each; rerun with the same
+settings, it skips what is done), so the held-out curve can be set beside the reward curve.
 
 A run directory evaluates its latest intact checkpoint; ``<run_dir>/checkpoints/<step>``
 evaluates that one (SFT or RL phase).  The run is rebuilt from ``<run_dir>/config.json``.
@@ -32,6 +37,8 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string(
     "checkpoint", None, "A run directory (latest checkpoint) or <run_dir>/checkpoints/<step>.", flag_values=fv
   )
+  flags.DEFINE_string("run_dir", None, "With --all: the run directory whose checkpoints to evaluate.", flag_values=fv)
+  flags.DEFINE_bool("all", False, "Evaluate every kept checkpoint of --run_dir into eval_curve.jsonl.", flag_values=fv)
   flags.DEFINE_integer("eval_samples", None, "Samples per prompt (default: the run's --eval_samples).", flag_values=fv)
   flags.DEFINE_integer(
     "eval_prompts",
@@ -82,8 +89,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest = fv(argv)
     if len(rest) > 1:
       raise ConfigError(f"unexpected positional arguments: {rest[1:]}")
-    if not fv.checkpoint:
-      raise ConfigError("--checkpoint is required: a run directory or <run_dir>/checkpoints/<step>")
+    if fv.all and not fv.run_dir:
+      raise ConfigError("--all needs --run_dir=<the run directory>")
+    if fv.run_dir and not fv.all:
+      raise ConfigError("--run_dir is the run of --all; for one checkpoint use --checkpoint")
+    if fv.all and fv.checkpoint:
+      raise ConfigError("--all evaluates every checkpoint of --run_dir; leave out --checkpoint")
+    if not fv.checkpoint and not fv.all:
+      raise ConfigError(
+        "--checkpoint is required: a run directory or <run_dir>/checkpoints/<step> (or --run_dir --all)"
+      )
     ks = parse_int_list("ks", fv.ks) if fv.ks else None
   except (flags.Error, ConfigError) as e:
     print(f"error: {e}", file=sys.stderr)
@@ -91,24 +106,32 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   # Imported after the flags are checked: a bad command line fails before the trainer is loaded.
   from mimo_jax.ckpt.manager import CheckpointCorrupted
-  from mimo_jax.eval.evaluator import evaluate_checkpoint
+  from mimo_jax.eval.evaluator import evaluate_all, evaluate_checkpoint
 
+  settings = dict(
+    eval_prompts=fv.eval_prompts,
+    num_samples=fv.eval_samples,
+    ks=ks,
+    temperature=fv.eval_temperature,
+    max_batch_rows=fv.max_batch_rows,
+    seed=fv.eval_seed,
+    allow_weak_sandbox=fv.allow_weak_sandbox,
+  )
+  flag = f"--run_dir={fv.run_dir}" if fv.all else f"--checkpoint={fv.checkpoint}"
   try:
-    result = evaluate_checkpoint(
-      fv.checkpoint,
-      eval_prompts=fv.eval_prompts,
-      num_samples=fv.eval_samples,
-      ks=ks,
-      temperature=fv.eval_temperature,
-      max_batch_rows=fv.max_batch_rows,
-      seed=fv.eval_seed,
-      allow_weak_sandbox=fv.allow_weak_sandbox,
-    )
+    if fv.all:
+      rows = evaluate_all(fv.run_dir, on_result=lambda row: print(json.dumps(row), flush=True), **settings)
+      result = {
+        "run_dir": fv.run_dir,
+        "eval_curve": [{k: r[k] for k in ("checkpoint_step", "phase", "step", "greedy_accuracy")} for r in rows],
+      }
+    else:
+      result = evaluate_checkpoint(fv.checkpoint, **settings)
   except FileNotFoundError as e:
-    print(f"error: --checkpoint: {e}", file=sys.stderr)
+    print(f"error: {flag.split('=')[0]}: {e}", file=sys.stderr)
     return 2
   except CheckpointCorrupted as e:
-    print(f"error: --checkpoint={fv.checkpoint}: the checkpoint is corrupted: {e}", file=sys.stderr)
+    print(f"error: {flag}: the checkpoint is corrupted: {e}", file=sys.stderr)
     return 2
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)

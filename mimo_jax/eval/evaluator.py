@@ -379,7 +379,8 @@ def resolve_checkpoint(path: str) -> tuple[str, int | None]:
   """
   path = os.path.abspath(path)
   name, parent = os.path.basename(path), os.path.dirname(path)
-  is_step_dir = name.isdigit() and os.path.basename(parent) == "checkpoints"
+  # <run_dir>/checkpoints/<step>, or the best checkpoint kept by --keep_best: <run_dir>/best/<step>.
+  is_step_dir = name.isdigit() and os.path.basename(parent) in ("checkpoints", "best")
   if is_step_dir:
     run_dir = os.path.dirname(parent)
     if not os.path.isdir(path):
@@ -524,7 +525,8 @@ def evaluate_checkpoint(
     raise ConfigError(f"cannot rebuild the run from {run_dir}/config.json: {e}") from None
   if not heldout:
     raise ConfigError(f"the run's task has no held-out prompts (eval_prompts={cfg.data.eval_prompts})")
-  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), async_save=False, read_only=True)
+  folder = os.path.dirname(os.path.abspath(path)) if step is not None else os.path.join(run_dir, "checkpoints")
+  ckpt = Checkpointer(folder, async_save=False, read_only=True)
   try:
     params, meta, step = _restore_policy(ckpt, run_dir, step, mesh)
   finally:
@@ -565,3 +567,60 @@ def evaluate_checkpoint(
     **metrics,
     **({"sandbox": sandbox} if sandbox is not None else {}),
   }
+
+
+EVAL_CURVE = "eval_curve.jsonl"
+_SETTINGS = ("eval_prompts", "eval_samples", "eval_temperature", "ks", "eval_seed")
+
+
+def evaluate_all(run_dir: str, *, seed: int = 0, on_result: Callable[[dict], None] | None = None, **kwargs):
+  """Evaluates every kept checkpoint of a run, oldest first, into ``<run_dir>/eval_curve.jsonl``.
+
+  One JSON row per checkpoint (:func:`evaluate_checkpoint`'s result plus ``eval_seed``), the file
+  rewritten atomically after each one, so a killed evaluation keeps what it finished; rerun with the
+  same settings it skips the checkpoints already evaluated (rows of other settings are replaced).
+
+  Args:
+    run_dir: the run directory.
+    seed: seed of the sampling key (the same for every checkpoint: the curve compares policies).
+    on_result: called with each new row (progress output).
+    **kwargs: the other settings of :func:`evaluate_checkpoint`.
+
+  Returns:
+    The rows, in checkpoint order.
+  """
+  run_dir, _ = resolve_checkpoint(run_dir)
+  if os.path.basename(os.path.dirname(run_dir)) == "checkpoints":
+    raise FileNotFoundError(f"{run_dir}: --all takes the run directory, not one checkpoint")
+  path = os.path.join(run_dir, EVAL_CURVE)
+  done: dict[int, dict] = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        try:
+          row = json.loads(line)
+        except json.JSONDecodeError:
+          continue
+        done[int(row["checkpoint_step"])] = row
+  steps = _step_dirs(os.path.join(run_dir, "checkpoints"))
+  rows: list[dict] = []
+  settings: tuple | None = None
+  for step in steps:
+    previous = done.get(step)
+    if previous is not None and settings is not None and tuple(previous.get(k) for k in _SETTINGS) == settings:
+      rows.append(previous)
+      continue
+    row = evaluate_checkpoint(os.path.join(run_dir, "checkpoints", str(step)), seed=seed, **kwargs)
+    row["eval_seed"] = seed
+    settings = tuple(row.get(k) for k in _SETTINGS)
+    rows.append(row)
+    # Rows of the earlier checkpoints evaluated under other settings are dropped by the rewrite.
+    rows = [r for r in rows if tuple(r.get(k) for k in _SETTINGS) == settings]
+    kept = rows + [r for s2, r in sorted(done.items()) if s2 > step and tuple(r.get(k) for k in _SETTINGS) == settings]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, path)
+    if on_result is not None:
+      on_result(row)
+  return rows

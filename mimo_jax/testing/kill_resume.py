@@ -43,7 +43,8 @@ import numpy as np
 from mimo_jax.launch import process_env
 
 # Wall-clock measurements differ between any two runs; everything else must not.
-VOLATILE_PREFIXES = ("time_", "rollout_share")
+# Wall-clock measurements (and what is made of them): they differ between any two runs.
+VOLATILE_PREFIXES = ("time_", "rollout_share", "device_s_", "mem_")
 KINDS = ("mid_save", "logged", "committed")
 _TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 _RESUMED = re.compile(r"resumed from (sft|rl) step (\d+)")
@@ -221,6 +222,15 @@ def load_metrics(run_dir: str) -> list[dict[str, Any]]:
   return records
 
 
+def load_samples(run_dir: str) -> list[dict[str, Any]]:
+  """The sample replay's rows (none when the run wrote no ``samples.jsonl``)."""
+  path = os.path.join(run_dir, "samples.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
 def final_arrays(run_dir: str) -> dict[str, np.ndarray]:
   import jax
 
@@ -246,6 +256,12 @@ def compare(ref_dir: str, other_dir: str) -> list[str]:
     if ra != rb:
       keys = sorted(k for k in set(ra) | set(rb) if ra.get(k) != rb.get(k))
       problems.append(f"step {ra.get('step')}: {', '.join(keys[:6])} differ")
+  sa, sb = load_samples(ref_dir), load_samples(other_dir)
+  if sa != sb:
+    steps = sorted({r["step"] for r in sa} ^ {r["step"] for r in sb}) or sorted(
+      {ra["step"] for ra, rb in zip(sa, sb, strict=False) if ra != rb}
+    )
+    problems.append(f"samples.jsonl differs ({len(sa)} vs {len(sb)} rows; steps {steps[:6]})")
   pa, pb = final_arrays(ref_dir), final_arrays(other_dir)
   if set(pa) != set(pb):
     problems.append("final checkpoints hold different arrays")

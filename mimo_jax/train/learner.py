@@ -362,6 +362,8 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
       values=values,
     )
     adv_out, controllers, adv_metrics = advantages(adv_in, state.controllers, coefs)
+    # A vector, not a scalar metric: the sample replay picks the prompts with the largest KL from it.
+    kl_per_seq = adv_metrics.pop("kl_per_seq", None)
     adv = adv_out.advantages
     # ---- the behaviour gap: rows drawn by the sampler (stale weights, its own numerics) vs the learner
     weights, is_metrics = importance_weights(
@@ -441,6 +443,8 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
       "controllers": controllers,
       "lr_scale": policy.lr_scale,
     }
+    if kl_per_seq is not None:
+      metrics["kl_per_seq"] = kl_per_seq
     return new_state, metrics
 
   return Learner(learn=StateLayoutJit(learn), tx=tx, schedule=schedule, value_tx=value_tx)

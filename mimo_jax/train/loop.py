@@ -41,16 +41,20 @@ from mimo_jax.optim import (
   make_optimizer,
   upgrade_opt_state,
 )
+from mimo_jax.provenance import provenance
 from mimo_jax.rewards.base import RewardSource
 from mimo_jax.rewards.task_rewards import build_task_reward
 from mimo_jax.rollout import FINISH_LENGTH, Sampler
 from mimo_jax.rollout.encoding import encode_prompts, encode_targets
 from mimo_jax.tasks.registry import build_task, check_sandbox
 from mimo_jax.train import rundir
+from mimo_jax.train.alarms import Alarms
 from mimo_jax.train.async_rollout import AsyncRollout
 from mimo_jax.train.learner import Experience, LearnerState, build_learner, init_controller_state, uses_kl
-from mimo_jax.train.logger import MetricsLogger, format_progress
+from mimo_jax.train.ledger import FlopCounter, Ledger
+from mimo_jax.train.logger import MetricsLogger, device_memory, format_progress
 from mimo_jax.train.rollout_worker import RolloutWorker, digest
+from mimo_jax.train.samples import select_samples
 from mimo_jax.train.steps import SequenceBatch, make_sft_step
 
 PROGRESS_KEYS = ("reward_mean", "accuracy", "kl_k3", "entropy", "clipfrac", "grad_norm", "response_len", "value_loss")
@@ -209,6 +213,19 @@ class RLRun:
       self.value_graphdef, self._value_init_params = nnx.split(value_model)
     self.learner = build_learner(cfg, self.mesh, self.graphdef, self.value_graphdef)
     self.rl_tx, self.lr_schedule = self.learner.tx, self.learner.schedule
+    # ---- failure-shape alarms over the logged records (state checkpointed with the run)
+    self.alarms = Alarms(cfg.logging.alarm_settings())
+    self.alarm_rollbacks = 0
+    # ---- the compute ledger: FLOPs and device-seconds by phase, totals checkpointed with the run
+    self.ledger = Ledger(
+      FlopCounter.of(self.model_cfg),
+      use_reference=self.use_kl,
+      use_value=self.use_value,
+      epochs=cfg.algo.ppo_epochs,
+      remat_full=self.model_cfg.remat == "full",
+      rollout_devices=(self.rollout_mesh or self.mesh).devices.size,
+      learner_devices=self.mesh.devices.size,
+    )
 
     # ---- checkpoints, logs, host-side bookkeeping
     ck = cfg.checkpoint
@@ -221,6 +238,8 @@ class RLRun:
     self.last_good_step = 0
     self.preempt_requested = False
     self.last_checkpoint_s = 0.0
+    self.best_value: float | None = None  # --keep_best: read from best/ when first needed
+    self.best_ckpt = None
     self.nan_steps = set(cfg.run.debug_nan_steps)
 
   def rollout_params(self, params: Any) -> Any:
@@ -385,6 +404,9 @@ class RLRun:
         "last_good_step": self.last_good_step,
         "prompt_sampler": rollout["prompt_sampler"],
         "reward": rollout["reward"],
+        "ledger": self.ledger.state_dict(),
+        "alarms": self.alarms.state_dict(),
+        "alarm_rollbacks": self.alarm_rollbacks,
       },
       "buffer": {
         "next_batch_id": step if phase == "rl" else 0,
@@ -405,15 +427,46 @@ class RLRun:
       "status": "pending",
     }
 
-  def save(self, phase: str, step: int, state: TrainState, log_step: int, warm: dict | None = None) -> None:
-    """Commits the whole run state as checkpoint ``global_step(phase, step)``."""
+  def save(
+    self,
+    phase: str,
+    step: int,
+    state: TrainState,
+    log_step: int,
+    warm: dict | None = None,
+    log_record: dict[str, Any] | None = None,
+  ) -> None:
+    """Commits the whole run state as checkpoint ``global_step(phase, step)``; ``log_record``: the
+    record and samples of step ``log_step`` when they are logged after the save."""
     t0 = time.perf_counter()
     rollout = self._rollout_state(phase, step)
     meta = self._meta(phase, step, log_step, policy_version=int(state.step) if phase == "rl" else 0, rollout=rollout)
     if warm is not None:
       meta["warm_start"] = warm
+    if log_record is not None:
+      meta["log_record"] = log_record
     self.ckpt.save(self.global_step(phase, step), self._tree(state, rollout["loop_key"]), meta)
     self.last_checkpoint_s = time.perf_counter() - t0
+
+  def keep_if_best(self, step: int, state: LearnerState, log_step: int, evaluation: dict[str, float], warm) -> None:
+    """``--keep_best``: saves the state into ``best/`` when this evaluation's metric beats every earlier one
+    (the value travels in that checkpoint's metadata, so a resume compares against it)."""
+    metric = self.cfg.checkpoint.keep_best
+    if not metric or metric not in evaluation:
+      return
+    value = float(evaluation[metric])
+    if self.best_value is None:
+      self.best_ckpt = self.dir.best_checkpointer()
+      steps = self.best_ckpt.all_steps()
+      self.best_value = self.best_ckpt.read_meta(steps[-1])["best"]["value"] if steps else -float("inf")
+    if not value > self.best_value:
+      return
+    rollout = self._rollout_state("rl", step)
+    meta = self._meta("rl", step, log_step, policy_version=int(state.step), rollout=rollout)
+    meta.update(warm_start=warm, best={"metric": metric, "value": value})
+    self.best_ckpt.save(self.global_step("rl", step), self._tree(state, rollout["loop_key"]), meta)
+    self.best_value = value
+    print(f"best {metric} so far: {value:.4g} at RL step {step}; kept in {self.dir.file(self.dir.BEST)}", flush=True)
 
   def global_step(self, phase: str, step: int) -> int:
     """One increasing step axis for checkpoints: SFT steps first, then RL steps."""
@@ -456,6 +509,9 @@ class RLRun:
     self.bad_steps, self.rollbacks = ctl.get("bad_steps", 0), ctl.get("rollbacks", 0)
     self.nonfinite_steps = ctl.get("nonfinite_steps", 0)
     self.last_good_step = ctl.get("last_good_step", meta["step"])
+    self.ledger.load_state_dict(ctl.get("ledger"))
+    self.alarms.load_state_dict(ctl.get("alarms"))
+    self.alarm_rollbacks = ctl.get("alarm_rollbacks", 0)
     self._restore_rollout_side(meta)
     if meta["phase"] == "rl":
       state = self._restore_reference(state)
@@ -496,6 +552,12 @@ class RLRun:
   def open_logger(self, restored: Restored | None) -> None:
     keep = None if restored is None else restored.meta["log_step"]
     self.logger = self.dir.logger(tensorboard=self.cfg.logging.tensorboard, keep_through=keep)
+    pending = (restored.meta.get("log_record") if restored is not None else None) or {}
+    if pending and self.logger.last_step < pending["record"]["step"]:
+      # Killed after the save and before its step was logged: the checkpoint holds the record (the
+      # save's own time is unknown there).
+      record = {**pending["record"], "time_checkpoint_s": None}
+      self.logger.write_record(record, None, pending["samples"])
 
   def request_preemption(self, *_):
     self.preempt_requested = True
@@ -510,6 +572,8 @@ class RLRun:
     self.worker.rewarder.close()
     self.ckpt.close()
     self.ref_ckpt.close()
+    if self.best_ckpt is not None:
+      self.best_ckpt.close()
     if self.logger is not None:
       self.logger.close()
 
@@ -597,7 +661,7 @@ class RLRun:
   def step(self, state: LearnerState, step: int) -> tuple[LearnerState, tuple[dict[str, Any], dict[str, Any]]]:
     """One RL step: rollout (generate -> decode -> reward) -> Experience -> learn (one program) -> sync.
 
-    Returns the new state, the metrics record and the histograms.
+    Returns the new state, the metrics record, the histograms and the sample-replay rows.
     """
     cfg = self.cfg
     t0 = time.perf_counter()
@@ -621,8 +685,21 @@ class RLRun:
     state, metrics = self.learner.learn(state, self.to_learner(batch.experience), jnp.int32(step), jnp.bool_(poison))
     if self.rollout is None:
       self.worker.update_params(state.params)
-    metrics, lengths, finish = multihost.to_host((metrics, rollout.lengths, rollout.finish_reason))
+    metrics, lengths, finish, prompt_mask = multihost.to_host(
+      (metrics, rollout.lengths, rollout.finish_reason, rollout.prompt_mask)
+    )
     t2 = time.perf_counter()
+    kl_per_seq = metrics.pop("kl_per_seq", None)
+    samples = select_samples(
+      batch,
+      cfg.logging.log_samples,
+      step=step + 1,
+      group_size=cfg.rollout.num_samples,
+      lengths=lengths,
+      finish=finish,
+      tokenizer=self.tokenizer,
+      kl_per_seq=kl_per_seq,
+    )
     if self.rollout is None:  # each side waits for the other the whole time the other runs
       idle = {"time_learner_idle_s": t1 - t0, "time_rollout_idle_s": t2 - t1, "queue_len": 0.0}
     else:
@@ -664,8 +741,23 @@ class RLRun:
       "time_step_s": t2 - t0,
     }
     record["rollout_share"] = record["time_generate_s"] / max(record["time_step_s"], 1e-9)
+    record.update(device_memory())  # where the backend reports it (not on CPU)
+    record.update(
+      self.ledger.step(
+        np.sum(prompt_mask, axis=1),
+        lengths,
+        rounds=int(gen_stats.get("ds_rounds", 1)),
+        value_passes=int(value_metrics.get("value_passes", 0)),
+        trained=step >= cfg.algo.value_warmup_steps,
+        time_generate_s=record["time_generate_s"],
+        time_train_s=record["time_train_s"],
+      )
+    )
+    if kl_per_seq is not None:  # the prompt with the largest KL to the reference, by id
+      worst = int(np.argmax(np.asarray(kl_per_seq).reshape(-1, cfg.rollout.num_samples).mean(axis=1)))
+      record["kl_prompt_max_id"] = int(batch.experience.prompt_id[worst * cfg.rollout.num_samples])
     hist = {"reward_hist": rewards.values, "response_len_hist": lengths, **rewards.histograms}
-    return state, (record, hist)
+    return state, (record, hist, samples)
 
   def rollback(self, state: LearnerState, step: int) -> tuple[LearnerState, int]:
     """After ``max_bad_steps`` non-finite steps: restore the last good checkpoint."""
@@ -685,6 +777,8 @@ class RLRun:
     policy = restored.policy.replace(lr_scale=lr_scale)
     restored = restored.replace(policy=_reset_optimizer(policy) if ck.rollback_reset_optimizer else policy)
     self._restore_rollout_side(meta)
+    self.ledger.load_state_dict(meta.get("controllers", {}).get("ledger"))
+    self.alarms.load_state_dict(meta.get("controllers", {}).get("alarms"))
     self.rollbacks += 1
     message = (
       f"rolled back from RL step {step} to step {meta['step']} after {self.bad_steps} consecutive non-finite "
@@ -693,6 +787,72 @@ class RLRun:
     )
     print(message, flush=True)
     logging.warning(message)
+    self.bad_steps = 0
+    self.logger.truncate(meta["log_step"])
+    self.worker.update_params(self.rollout_params(restored.params))
+    return restored, meta["step"]
+
+  def on_alarms(self, state: LearnerState, step: int, record: dict[str, Any]) -> tuple[LearnerState, int] | None:
+    """Feeds RL step ``step``'s record to the detectors; writes every alarm that fires (``alarms.jsonl``
+    and the log) with the action taken.  Returns the rolled-back ``(state, step)`` when an alarm rolled
+    the run back (``--on_alarm=rollback``, within ``--max_alarm_rollbacks``), else None."""
+    lg = self.cfg.logging
+    rolled = None
+    for alarm in self.alarms.update(step, MetricsLogger.record(step, record)):
+      action = "logged"
+      if lg.on_alarm == "rollback" and rolled is not None:
+        action = "logged (the run rolled back for another alarm of this step)"
+      elif lg.on_alarm == "rollback":
+        if self.alarm_rollbacks >= lg.max_alarm_rollbacks:
+          action = f"logged (--max_alarm_rollbacks={lg.max_alarm_rollbacks} spent)"
+        else:
+          rolled = self._alarm_rollback(state, alarm.onset)
+          if rolled is None:
+            action = f"logged (no RL checkpoint before the onset at step {alarm.onset})"
+          else:
+            action = (
+              f"rolled back to RL step {rolled[1]}; learning rate x{lg.alarm_lr_factor:g}, "
+              f"KL coefficient x{lg.alarm_kl_factor:g} (alarm rollback {self.alarm_rollbacks} of "
+              f"{lg.max_alarm_rollbacks})"
+            )
+      row = alarm.record(action)
+      self.logger.write_alarm(row)
+      message = (
+        f"alarm at RL step {step}: {alarm.kind} (onset step {alarm.onset}) {json.dumps(alarm.evidence)}; "
+        f"look first at: {row['diagnosis'][0]}; action: {action}"
+      )
+      if multihost.is_primary():
+        print(message, flush=True)
+      logging.warning(message)
+    return rolled
+
+  def _alarm_rollback(self, state: LearnerState, onset: int) -> tuple[LearnerState, int] | None:
+    """Restores the last RL checkpoint of step ``onset - 2`` or earlier with the alarm's intervention applied
+    to the current values (so interventions compound: the learning-rate scale times ``alarm_lr_factor``,
+    the KL coefficient times ``alarm_kl_factor``).  None when there is no such checkpoint."""
+    lg = self.cfg.logging
+    if self.rollout is not None:
+      self.rollout.stop()  # its batches came from the policy being rolled back; restarted at the next step
+    self.ckpt.wait()
+    # The record of RL step s measures the policy after s - 1 updates: restore the policy from before the
+    # update that the onset's record shows.
+    at_most = self.global_step("rl", max(onset - 2, 0))
+    if not any(self.cfg.run.sft_steps < s <= at_most for s in self.ckpt.all_steps()):
+      return None
+    found = self.ckpt.restore_latest(lambda meta: self._target(state, meta), at_most=at_most)
+    if found is None or found[2]["phase"] != "rl":
+      return None
+    gstep, tree, meta = found
+    self.ckpt.delete_after(gstep)  # the run continues from here; later steps will be redone
+    self.alarm_rollbacks += 1
+    restored = self._from_tree(state, tree)
+    policy = restored.policy.replace(lr_scale=state.lr_scale * lg.alarm_lr_factor)
+    kl = state.controllers.kl_coef * lg.alarm_kl_factor
+    restored = restored.replace(policy=policy, controllers=restored.controllers.replace(kl_coef=kl))
+    self._restore_rollout_side(meta)
+    ctl = meta.get("controllers", {})
+    self.ledger.load_state_dict(ctl.get("ledger"))
+    self.alarms.load_state_dict(ctl.get("alarms"))
     self.bad_steps = 0
     self.logger.truncate(meta["log_step"])
     self.worker.update_params(self.rollout_params(restored.params))
@@ -718,7 +878,7 @@ def train(cfg: Config, *, rollout_factory=None) -> dict[str, Any]:
     try:
       restored = run.restore()  # refuses checkpoints none of which restores: nothing is written before
       # Rewritten on every start, resumes included: the sandbox record is this machine's.
-      directory.write_config(cfg.to_dict(), sandbox=run.sandbox)
+      directory.write_config(cfg.to_dict(), sandbox=run.sandbox, provenance=provenance())
       run.open_logger(restored)
       previous = signal.signal(signal.SIGTERM, run.request_preemption)
       try:
@@ -779,7 +939,7 @@ def _rl_phase(run: RLRun, state: LearnerState, step: int, warm: dict[str, float]
     total=cfg.run.max_steps, initial=step, desc="grpo", mininterval=1.0, disable=not multihost.is_primary()
   )
   while step < cfg.run.max_steps:
-    state, (record, hist) = run.step(state, step)
+    state, (record, hist, samples) = run.step(state, step)
     step += 1
     bar.update(1)
     if _count_bad_step(run, record, step, bar):
@@ -788,17 +948,31 @@ def _rl_phase(run: RLRun, state: LearnerState, step: int, warm: dict[str, float]
       bar.update(step)
       continue
     if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < cfg.run.max_steps:
-      record.update({f"eval/{k}": v for k, v in run.evaluate(state.params).items()})
-    record.update(time_checkpoint_s=run.last_checkpoint_s, rollbacks=run.rollbacks, skipped_total=int(state.skipped))
-    logged = run.logger.log(step, record, hist)
-    if step % cfg.logging.log_every == 0:
-      bar.set_postfix_str(format_progress(logged, PROGRESS_KEYS))
+      evaluation = run.evaluate(state.params)
+      record.update({f"eval/{k}": v for k, v in evaluation.items()})
+      run.keep_if_best(step, state, step, evaluation, warm)
+    record.update(rollbacks=run.rollbacks, skipped_total=int(state.skipped), time_checkpoint_s=0.0)
+    record["alarm_rollbacks"] = run.alarm_rollbacks
+    rolled = run.on_alarms(state, step, record)
+    if rolled is not None:  # an alarm rolled the run back: its later steps are redone
+      state, step = rolled
+      bar.reset(total=cfg.run.max_steps)
+      bar.update(step)
+      continue
     stop = run.should_stop()
     # The last step is saved after the final evaluation. A step whose update was non-finite is
     # never saved: with --keep_last it would evict the last good checkpoint a rollback needs.
     saved = run.bad_steps == 0
     if ((every and step % every == 0) or stop) and step < cfg.run.max_steps and saved:
-      run.save("rl", step, state, step, warm)
+      # Saved before the step is logged, so that its record holds the save's own time; the record and
+      # its samples travel in the checkpoint (a resume writes them if a kill came in between).
+      run.save(
+        "rl", step, state, step, warm, log_record={"record": run.logger.record(step, record), "samples": samples}
+      )
+      record["time_checkpoint_s"] = run.last_checkpoint_s
+    logged = run.logger.log(step, record, hist, samples)
+    if step % cfg.logging.log_every == 0:
+      bar.set_postfix_str(format_progress(logged, PROGRESS_KEYS))
     if stop and step < cfg.run.max_steps:
       bar.close()
       raise Preempted(f"RL step {step}" if saved else f"RL step {run.last_good_step} (the last good step)")
@@ -847,6 +1021,7 @@ def _finish(
   final = run.evaluate(state.params)
   run.logger.log(cfg.run.max_steps + 1, {f"eval/{k}": v for k, v in final.items()})
   run.save("rl", step, state, cfg.run.max_steps + 1, warm)
+  run.keep_if_best(step, state, cfg.run.max_steps + 1, final, warm)
   summary = {
     "experiment": cfg.run.experiment,
     "seed": cfg.run.seed,
@@ -859,8 +1034,13 @@ def _finish(
     "final": final,
     "skipped_updates": int(state.skipped),
     "rollbacks": run.rollbacks,
+    "alarm_rollbacks": run.alarm_rollbacks,
     "nonfinite_steps": run.nonfinite_steps,
     "run_dir": run.run_dir,
+    # The compute ledger's totals over the RL steps, and what code and stack produced the run.
+    "compute": run.ledger.state_dict(),
+    "best": None if run.best_value is None else {"metric": cfg.checkpoint.keep_best, "value": run.best_value},
+    **provenance(),
   }
   if run.sandbox is not None:
     summary["sandbox"] = run.sandbox

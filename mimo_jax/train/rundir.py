@@ -42,7 +42,17 @@ IDENTITY = {
   "data_rows": ("prompts_per_step",),
 }
 # Files a fresh start in place replaces (with --overwrite).
-RUN_FILES = ("checkpoints", "reference", "metrics.jsonl", "summary.json", "tensorboard", "config.json")
+RUN_FILES = (
+  "checkpoints",
+  "reference",
+  "best",
+  "metrics.jsonl",
+  "samples.jsonl",
+  "alarms.jsonl",
+  "summary.json",
+  "tensorboard",
+  "config.json",
+)
 
 
 class RunDirInUse(ConfigError):
@@ -108,17 +118,22 @@ def identity_mismatches(previous: dict[str, Any], current: dict[str, Any]) -> li
   return out
 
 
-def config_json(config: dict[str, Any], *, sandbox: dict[str, Any] | None = None) -> str:
+def config_json(
+  config: dict[str, Any], *, sandbox: dict[str, Any] | None = None, provenance: dict[str, Any] | None = None
+) -> str:
   """The text of a run's ``config.json``: ``Config.to_dict()``, plus the ``sandbox`` record for tasks that run code.
 
   The record (:func:`mimo_jax.rewards.sandbox_policy.isolation_record`) describes the machine
   the run last started on, not a setting: :func:`identity_mismatches` never looks at it, and
   readers that rebuild a Config skip it (``mimo_jax.config.RUN_RECORD_KEYS``).  Without a
-  record the text is exactly ``Config.to_json()``.
+  record the text is exactly ``Config.to_json()``.  ``provenance`` (:func:`mimo_jax.provenance.provenance`:
+  the code version and the libraries of the start) is such a record too.
   """
   data = dict(config)
   if sandbox is not None:
     data["sandbox"] = sandbox
+  if provenance is not None:
+    data["provenance"] = provenance
   return json.dumps(data, indent=2, sort_keys=True)
 
 
@@ -175,6 +190,7 @@ class RunDir:
   SUMMARY = "summary.json"
   CHECKPOINTS = "checkpoints"
   REFERENCE = "reference"
+  BEST = "best"
 
   def __init__(self, path: str, *, writer: bool = True):
     self.path = path
@@ -219,12 +235,14 @@ class RunDir:
   def read_config(self) -> dict[str, Any] | None:
     return read_config(self.path)
 
-  def write_config(self, config: dict[str, Any], *, sandbox: dict[str, Any] | None = None) -> None:
+  def write_config(
+    self, config: dict[str, Any], *, sandbox: dict[str, Any] | None = None, provenance: dict[str, Any] | None = None
+  ) -> None:
     """Replaces ``config.json`` atomically (see :func:`config_json`)."""
     if not self.writer:
       return
     os.makedirs(self.path, exist_ok=True)
-    write_atomic(self.file(self.CONFIG), config_json(config, sandbox=sandbox))
+    write_atomic(self.file(self.CONFIG), config_json(config, sandbox=sandbox, provenance=provenance))
 
   def read_summary(self) -> dict[str, Any] | None:
     """The completed run's ``summary.json`` (None before the run completes)."""
@@ -245,6 +263,10 @@ class RunDir:
   def reference_checkpointer(self) -> Checkpointer:
     """The frozen reference policy, saved once at the SFT -> RL transition (``reference/``)."""
     return Checkpointer(self.file(self.REFERENCE), keep_last=1, async_save=False)
+
+  def best_checkpointer(self) -> Checkpointer:
+    """The checkpoint with the best held-out metric so far (``best/``, ``--keep_best``)."""
+    return Checkpointer(self.file(self.BEST), keep_last=1, async_save=False)
 
   def logger(self, *, tensorboard: bool, keep_through: int | None) -> MetricsLogger:
     """The metrics logger (``metrics.jsonl``, ``tensorboard/``), truncated past ``keep_through`` on a resume."""

@@ -299,7 +299,8 @@ class AdvantageOutput:
 
 
 def _per_prompt_kl_tail(old_logp, ref_logp, mask, group_size: int) -> dict[str, jax.Array]:
-  """Per-sequence token-mean k3 KL to the reference, averaged per prompt; mean, p95 and max over prompts."""
+  """Per-sequence token-mean k3 KL to the reference, averaged per prompt; mean, p95 and max over prompts,
+  and the per-sequence values themselves (``kl_per_seq`` ``[B]``: the sample replay's KL rows)."""
   k3 = kl_estimate(old_logp, ref_logp, "k3")
   per_seq = jnp.sum(jnp.where(mask, k3, 0.0), axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1)
   per_prompt = per_seq.reshape(-1, group_size).mean(axis=1)
@@ -307,6 +308,7 @@ def _per_prompt_kl_tail(old_logp, ref_logp, mask, group_size: int) -> dict[str, 
     "kl_prompt_mean": jnp.mean(per_prompt),
     "kl_prompt_p95": jnp.quantile(per_prompt, 0.95),
     "kl_prompt_max": jnp.max(per_prompt),
+    "kl_per_seq": per_seq,
   }
 
 

@@ -1,0 +1,284 @@
+"""Failure-shape alarms: detectors over the logged metrics that name what went wrong, and what was done.
+
+The field reports describe a handful of ways an RL run dies, and the order in which to look when it
+does (reward rises then collapses: look at the value loss first, then the entropy, then the KL).  Each
+detector here watches one shape in the stream of ``metrics.jsonl`` records:
+
+================== ======================================================================= ==================
+kind               fires when                                                              threshold flag
+================== ======================================================================= ==================
+reward_collapse    the smoothed reward has lost ``drop`` of its rise above the first        ``--alarm_reward_drop``
+                   window (the rise at least ``--alarm_reward_min_rise``)
+entropy_collapse   the smoothed entropy is below ``floor`` x the first window's              ``--alarm_entropy_floor``
+kl_blowup          the smoothed KL to the reference exceeds the limit                       ``--alarm_kl_max``
+value_loss_spike   the value loss exceeds ``spike`` x the median of the window before it    ``--alarm_value_spike``
+length_explosion   the smoothed response length exceeds ``growth`` x the first window's     ``--alarm_length_growth``
+grad_norm_collapse the smoothed gradient norm (steps with a learning signal) is below       ``--alarm_grad_floor``
+                   ``floor`` x the first window's
+reward_jitter      the reward's step-to-step changes over the last 6 windows have an        ``--alarm_jitter_acf``
+                   autocorrelation above the limit at a period P of 2 .. 1 window and at 2P
+                   (a repeating data pipeline)
+================== ======================================================================= ==================
+
+Smoothing is a mean over the last ``--alarm_window`` steps; nothing fires before two windows of
+steps.  A detector fires once when its condition starts to hold and again only after it has cleared.
+Each alarm carries its ``onset``, the first step of the shape: the reward's peak for a collapse, the
+spike's step for the value loss, the first step of the smoothing window that shows it otherwise.  The
+record of RL step ``s`` measures the policy after ``s - 1`` updates, so ``--on_alarm=rollback``
+restores the last checkpoint of RL step ``onset - 2`` or earlier (the policy before the update that
+the onset's record measures).  The detectors' state is checkpointed with the run
+(:meth:`Alarms.state_dict`), so a resume or a rollback continues from the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ALARM_KINDS", "DIAGNOSIS", "Alarm", "AlarmSettings", "Alarms"]
+
+ALARM_KINDS = (
+  "reward_collapse",
+  "entropy_collapse",
+  "kl_blowup",
+  "value_loss_spike",
+  "length_explosion",
+  "grad_norm_collapse",
+  "reward_jitter",
+)
+
+# Where to look, in order (the reports' diagnosis order), per kind.
+DIAGNOSIS: dict[str, tuple[str, ...]] = {
+  "reward_collapse": (
+    "value loss: a diverging critic gives wrong advantages (value_loss, explained_variance)",
+    "entropy: a collapsed policy stops exploring (entropy)",
+    "KL: the policy drifted far from the reference (kl_k3, kl_prompt_max and its prompt id)",
+  ),
+  "entropy_collapse": (
+    "entropy bonus or controller too weak (entropy_coef)",
+    "clip range too tight on the low side (clipfrac_low, clip_high_now)",
+    "learning rate too high (lr, grad_norm)",
+  ),
+  "kl_blowup": (
+    "KL coefficient too small for the learning rate (kl_coef, lr)",
+    "a few prompts dominate (kl_prompt_max, kl_prompt_max_id, samples.jsonl kl_top rows)",
+    "behaviour/learner mismatch (sampler_learner_kl, is_ratio_max)",
+  ),
+  "value_loss_spike": (
+    "critic learning rate or passes (value_passes, value_grad_norm)",
+    "return scale changed (return_mean, reward_std)",
+    "then the policy: entropy and KL",
+  ),
+  "length_explosion": (
+    "overlong shaping off or too weak (overlong, truncated_frac)",
+    "a reward that pays for length (reward components in samples.jsonl)",
+    "entropy rising (entropy)",
+  ),
+  "grad_norm_collapse": (
+    "no learning signal: groups all equal (frac_groups_all_equal)",
+    "learning rate decayed or phase schedule in fine-tune (lr, phase)",
+    "entropy collapse (entropy)",
+  ),
+  "reward_jitter": (
+    "the data pipeline repeats: prompts cycle with a period (curriculum, dataset size)",
+    "a scheduled change with a period (temperature, checkpoints, evaluation)",
+    "reward noise from a flaky verifier (reward/*_fail_frac)",
+  ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AlarmSettings:
+  window: int = 10
+  reward_drop: float = 0.5
+  reward_min_rise: float = 0.05
+  entropy_floor: float = 0.1
+  kl_max: float = 1.0
+  value_spike: float = 10.0
+  length_growth: float = 3.0
+  grad_floor: float = 0.01
+  jitter_acf: float = 0.6
+
+
+@dataclasses.dataclass(frozen=True)
+class Alarm:
+  step: int
+  kind: str
+  onset: int
+  evidence: dict[str, Any]
+
+  def record(self, action: str) -> dict[str, Any]:
+    """The ``alarms.jsonl`` row."""
+    return {
+      "step": self.step,
+      "kind": self.kind,
+      "onset": self.onset,
+      "evidence": self.evidence,
+      "diagnosis": list(DIAGNOSIS[self.kind]),
+      "action": action,
+    }
+
+
+def _finite(x: Any) -> float | None:
+  if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
+    return float(x)
+  return None
+
+
+def _acf_peak(x: np.ndarray, lags: range) -> tuple[float, int]:
+  """The largest autocorrelation over ``lags`` of ``x``'s step-to-step changes, and its lag.
+
+  Differencing removes the learning trend (a rising curve's changes are small and smooth) and leaves
+  independent noise with no correlation beyond lag 1, while a period-P pattern keeps its period."""
+  d = np.diff(x)
+  resid = d - d.mean()
+  var = float(np.dot(resid, resid))
+  if var <= 1e-12:
+    return 0.0, 0
+
+  def acf(k: int) -> float:
+    return float(np.dot(resid[:-k], resid[k:])) / var
+
+  # A period repeats: its autocorrelation is high at one and at two periods (noise rarely is at both).
+  best, lag = -1.0, 0
+  for k in lags:
+    r = min(acf(k), acf(2 * k))
+    if r > best:
+      best, lag = r, k
+  return best, lag
+
+
+class Alarms:
+  """The detectors' state over one run's records.
+
+  Args:
+    settings: the thresholds.
+    kinds: which detectors run (all by default).
+  """
+
+  def __init__(self, settings: AlarmSettings, kinds: Sequence[str] = ALARM_KINDS):
+    self.s = settings
+    self.kinds = tuple(kinds)
+    self.series: dict[str, list[tuple[int, float]]] = {}
+    self.active: dict[str, int] = {}  # kind -> onset of the shape currently holding
+    self.peak = (-1, -math.inf)  # the smoothed reward's peak (step, value)
+
+  def state_dict(self) -> dict[str, Any]:
+    """The detectors' state (JSON-able; checkpointed, so a resume or a rollback continues from it)."""
+    return {
+      "series": {k: [[int(t), float(v)] for t, v in pairs] for k, pairs in self.series.items()},
+      "active": dict(self.active),
+      "peak": [int(self.peak[0]), None if math.isinf(self.peak[1]) else float(self.peak[1])],
+    }
+
+  def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+    """Restores :meth:`state_dict` (None: a checkpoint written before the alarms; from scratch)."""
+    state = state or {}
+    self.series = {k: [(int(t), float(v)) for t, v in pairs] for k, pairs in state.get("series", {}).items()}
+    self.active = {k: int(v) for k, v in state.get("active", {}).items()}
+    step, value = state.get("peak", [-1, None])
+    self.peak = (int(step), -math.inf if value is None else float(value))
+
+  def _values(self, key: str) -> list[float]:
+    return [v for _, v in self.series.get(key, [])]
+
+  def _smooth(self, key: str) -> float | None:
+    values = self._values(key)
+    w = self.s.window
+    return float(np.mean(values[-w:])) if len(values) >= 2 * w else None
+
+  def _first(self, key: str) -> float | None:
+    values = self._values(key)
+    w = self.s.window
+    return float(np.mean(values[:w])) if len(values) >= 2 * w else None
+
+  def update(self, step: int, record: Mapping[str, Any]) -> list[Alarm]:
+    """Feeds one RL step's record; returns the alarms that start firing at it."""
+    for key in ("reward_mean", "entropy", "kl_k3", "value_loss", "response_len"):
+      v = _finite(record.get(key))
+      if v is not None:
+        self.series.setdefault(key, []).append((step, v))
+    g = _finite(record.get("grad_norm"))
+    if g is not None and record.get("frac_groups_all_equal", 0.0) < 1.0:
+      self.series.setdefault("grad_norm", []).append((step, g))
+    holding: dict[str, tuple[int, dict[str, Any]]] = {}
+    for kind in self.kinds:
+      found = getattr(self, "_" + kind)(step)
+      if found is not None:
+        holding[kind] = found
+    fired = []
+    for kind in self.kinds:
+      if kind in holding and kind not in self.active:
+        onset, evidence = holding[kind]
+        self.active[kind] = onset
+        evidence = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in evidence.items()}
+        fired.append(Alarm(step=step, kind=kind, onset=onset, evidence=evidence))
+      elif kind not in holding:
+        self.active.pop(kind, None)
+    return fired
+
+  def _onset(self, kind: str, step: int, *, smoothed: bool = True) -> int:
+    """The shape's first step: where it was first seen, else the start of the window that shows it."""
+    return self.active.get(kind, max(1, step - self.s.window + 1) if smoothed else step)
+
+  # ---- the detectors: (onset, evidence) while the shape holds, else None --------------------------
+
+  def _reward_collapse(self, step):
+    now, first = self._smooth("reward_mean"), self._first("reward_mean")
+    if now is None:
+      return None
+    if now > self.peak[1]:
+      self.peak = (step, now)
+    rise = self.peak[1] - first
+    if rise < self.s.reward_min_rise or now > self.peak[1] - self.s.reward_drop * rise:
+      return None
+    return self.peak[0], {"reward_smoothed": now, "peak": self.peak[1], "peak_step": self.peak[0], "first": first}
+
+  def _entropy_collapse(self, step):
+    now, first = self._smooth("entropy"), self._first("entropy")
+    if now is None or first is None or first <= 0 or now >= self.s.entropy_floor * first:
+      return None
+    return self._onset("entropy_collapse", step), {"entropy_smoothed": now, "first": first}
+
+  def _kl_blowup(self, step):
+    now = self._smooth("kl_k3")
+    if now is None or now <= self.s.kl_max:
+      return None
+    return self._onset("kl_blowup", step), {"kl_smoothed": now, "limit": self.s.kl_max}
+
+  def _value_loss_spike(self, step):
+    values = self._values("value_loss")
+    w = self.s.window
+    if len(values) < w + 1:
+      return None
+    before = float(np.median(values[-w - 1 : -1]))
+    if before <= 0 or values[-1] <= self.s.value_spike * before:
+      return None
+    return self._onset("value_loss_spike", step, smoothed=False), {"value_loss": values[-1], "median_before": before}
+
+  def _length_explosion(self, step):
+    now, first = self._smooth("response_len"), self._first("response_len")
+    if now is None or first is None or first <= 0 or now <= self.s.length_growth * first:
+      return None
+    return self._onset("length_explosion", step), {"response_len_smoothed": now, "first": first}
+
+  def _grad_norm_collapse(self, step):
+    now, first = self._smooth("grad_norm"), self._first("grad_norm")
+    if now is None or first is None or first <= 0 or now >= self.s.grad_floor * first:
+      return None
+    return self._onset("grad_norm_collapse", step), {"grad_norm_smoothed": now, "first": first}
+
+  def _reward_jitter(self, step):
+    values = self._values("reward_mean")
+    w = self.s.window
+    n = 6 * w
+    if len(values) < n:
+      return None
+    acf, lag = _acf_peak(np.asarray(values[-n:], np.float64), range(2, w + 1))
+    if acf <= self.s.jitter_acf:
+      return None
+    return self._onset("reward_jitter", step), {"autocorrelation": acf, "period": lag, "steps": n}

@@ -1,0 +1,171 @@
+"""The compute ledger: FLOPs and device-seconds of every RL step, by phase, and their running totals.
+
+FLOPs are counted from the model's shape and the step's actual token counts (each row's real prompt
+length and completion length; padding is not counted), for what the trainer runs:
+
+- ``generate``: the prefill over each prompt (causal attention over it, logits of its last position),
+  then one decode step per further generated token (attention over the prompt and the tokens so far).
+  With dynamic sampling every round generated counts (rounds are counted at the trained batch's
+  token counts: an estimate).
+- ``score``: the behaviour log-probs, one teacher-forced forward of the policy over prompt + completion
+  (logits of the completion positions only, as the fused kernel computes them).
+- ``reference``: the same forward of the frozen reference (when there is one).
+- ``learn``: forward + backward (3 forwards' worth; 4 with ``--remat=full``, which recomputes the
+  forward in the backward) of the policy per PPO epoch, and of the critic per value pass, plus the
+  critic's forward for the values.
+
+A forward over ``T`` tokens with ``S`` attended keys in all (summed over the queries) and ``O``
+output positions costs ``T * 2 * L * (D*N*H + 2*D*K*H + N*H*D + 3*D*F) + 4 * L * N * H * S + 2 * D * V * O``
+(matmuls only: norms, softmax, RoPE and the optimizer are left out; they are a few percent at these
+shapes).  Device-seconds are a phase's wall time times the devices it ran on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from mimo_jax.models.config import ModelConfig
+
+__all__ = ["FlopCounter", "Ledger", "causal_keys"]
+
+
+def causal_keys(start: np.ndarray | int, n: np.ndarray | int) -> np.ndarray:
+  """Keys attended in all by ``n`` queries at positions ``start+1 .. start+n`` of a causal sequence."""
+  start, n = np.asarray(start, np.int64), np.asarray(n, np.int64)
+  return n * start + n * (n + 1) // 2
+
+
+@dataclasses.dataclass(frozen=True)
+class FlopCounter:
+  """Matmul FLOPs of a decoder's forward passes."""
+
+  layers: int
+  d_model: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  vocab: int
+
+  @classmethod
+  def of(cls, cfg: ModelConfig) -> FlopCounter:
+    return cls(
+      cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim, cfg.vocab_size
+    )
+
+  @property
+  def per_token(self) -> int:
+    """Projection and MLP FLOPs of one token through every layer."""
+    D, N, K, H, F = self.d_model, self.heads, self.kv_heads, self.head_dim, self.mlp_dim
+    return 2 * self.layers * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F)
+
+  def forward(self, tokens, keys, outputs, *, head: str = "logits") -> int:
+    """A forward over ``tokens`` tokens attending ``keys`` keys in all, with ``outputs`` output positions
+    (``head``: ``logits`` of the vocabulary, or a scalar ``value``)."""
+    out_width = self.vocab if head == "logits" else 1
+    attention = 4 * self.layers * self.heads * self.head_dim
+    return int(
+      np.sum(np.asarray(tokens, np.int64)) * self.per_token
+      + attention * np.sum(np.asarray(keys, np.int64))
+      + 2 * self.d_model * out_width * np.sum(np.asarray(outputs, np.int64))
+    )
+
+  def generate(self, prompt_len: np.ndarray, completion_len: np.ndarray) -> int:
+    """Prefill over each prompt then one decode step per further token (per-row lengths)."""
+    p, c = np.asarray(prompt_len, np.int64), np.asarray(completion_len, np.int64)
+    prefill = self.forward(p, causal_keys(0, p), np.minimum(c, 1))
+    steps = np.maximum(c - 1, 0)
+    return prefill + self.forward(steps, causal_keys(p, steps), steps)
+
+  def score(self, prompt_len: np.ndarray, completion_len: np.ndarray, *, head: str = "logits") -> int:
+    """One teacher-forced forward over prompt + completion, outputs at the completion positions."""
+    p, c = np.asarray(prompt_len, np.int64), np.asarray(completion_len, np.int64)
+    return self.forward(p + c, causal_keys(0, p + c), c, head=head)
+
+
+class Ledger:
+  """Per-step FLOPs and device-seconds by phase, and the run's totals (checkpointed with the run).
+
+  Args:
+    policy: the policy's FLOP counter.
+    use_reference: a reference forward runs each step.
+    use_value: a critic is trained (its forward and update passes count).
+    epochs: PPO epochs over each batch.
+    remat_full: ``--remat=full`` (the backward recomputes the forward).
+    rollout_devices: devices generation runs on.
+    learner_devices: devices the learner program runs on.
+  """
+
+  def __init__(
+    self,
+    policy: FlopCounter,
+    *,
+    use_reference: bool,
+    use_value: bool,
+    epochs: int,
+    remat_full: bool,
+    rollout_devices: int,
+    learner_devices: int,
+  ):
+    self.policy = policy
+    self.use_reference = use_reference
+    self.use_value = use_value
+    self.epochs = epochs
+    self.backward_factor = 4 if remat_full else 3
+    self.rollout_devices = rollout_devices
+    self.learner_devices = learner_devices
+    self.totals = {"flops_total": 0, "samples_total": 0, "tokens_total": 0, "device_s_total": 0.0}
+
+  def step(
+    self,
+    prompt_len: np.ndarray,
+    completion_len: np.ndarray,
+    *,
+    rounds: int = 1,
+    value_passes: int = 0,
+    trained: bool = True,
+    time_generate_s: float = 0.0,
+    time_train_s: float = 0.0,
+  ) -> dict[str, float]:
+    """One RL step's ledger metrics (the totals advanced).
+
+    Args:
+      prompt_len, completion_len: int ``[B]`` real token counts of the trained batch's rows.
+      rounds: generation rounds (dynamic sampling).
+      value_passes: critic update passes this step.
+      trained: whether the policy update ran (False during ``--value_warmup_steps``).
+      time_generate_s, time_train_s: the phases' wall seconds.
+    """
+    pc = self.policy
+    score = pc.score(prompt_len, completion_len)
+    out = {
+      "flops_generate": float(rounds * pc.generate(prompt_len, completion_len)),
+      "flops_score": float(score),
+      "flops_reference": float(score if self.use_reference else 0),
+    }
+    learn = self.backward_factor * self.epochs * score if trained else 0
+    if self.use_value:
+      value = pc.score(prompt_len, completion_len, head="value")
+      learn += value + self.backward_factor * value_passes * value
+    out["flops_learn"] = float(learn)
+    out["flops_step"] = sum(out.values())
+    out["device_s_generate"] = time_generate_s * self.rollout_devices
+    out["device_s_train"] = time_train_s * self.learner_devices
+    self.totals["flops_total"] += int(out["flops_step"])
+    self.totals["samples_total"] += int(np.asarray(completion_len).shape[0])
+    self.totals["tokens_total"] += int(np.sum(prompt_len) + np.sum(completion_len))
+    self.totals["device_s_total"] += out["device_s_generate"] + out["device_s_train"]
+    return {**out, **{k: float(v) for k, v in self.totals.items()}}
+
+  def state_dict(self) -> dict[str, Any]:
+    return dict(self.totals)
+
+  def load_state_dict(self, state: dict[str, Any] | None) -> None:
+    """Restores the totals of a checkpoint (a checkpoint written before the ledger: from zero)."""
+    self.totals = {"flops_total": 0, "samples_total": 0, "tokens_total": 0, "device_s_total": 0.0}
+    for k, v in (state or {}).items():
+      if k in self.totals:
+        self.totals[k] = type(self.totals[k])(v)

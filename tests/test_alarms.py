@@ -1,0 +1,188 @@
+"""Failure-shape alarms: each detector provoked on a curve of its shape (and quiet on healthy ones), the
+record it writes, and a run whose huge learning rate an alarm rolls back."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from mimo_jax.train.alarms import ALARM_KINDS, DIAGNOSIS, Alarms, AlarmSettings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+W = 5
+HEALTHY = {
+  "reward_mean": 0.3,
+  "entropy": 2.0,
+  "kl_k3": 0.01,
+  "value_loss": 0.1,
+  "response_len": 5.0,
+  "grad_norm": 1.0,
+  "frac_groups_all_equal": 0.5,
+}
+
+
+def _feed(series: list[dict], settings=None) -> list:
+  alarms = Alarms(settings or AlarmSettings(window=W))
+  fired = []
+  for step, changes in enumerate(series, start=1):
+    fired += alarms.update(step, {**HEALTHY, **changes})
+  return fired
+
+
+def _ramp(n, key, start, end):
+  return [{key: float(v)} for v in np.linspace(start, end, n)]
+
+
+def test_reward_collapse_after_a_rise_fires_once_with_the_peak_as_onset():
+  series = [{"reward_mean": 0.1}] * 10 + _ramp(20, "reward_mean", 0.1, 0.6) + _ramp(10, "reward_mean", 0.6, 0.1)
+  fired = _feed(series)
+  assert [a.kind for a in fired] == ["reward_collapse"]
+  a = fired[0]
+  # The smoothed (5-step) reward peaks at step 32 (the mean of steps 28..32) and the alarm fires when half
+  # of the rise above the first window (0.1) is gone.
+  assert 30 <= a.onset <= 33 and a.onset < a.step <= 40
+  assert a.evidence["reward_smoothed"] <= a.evidence["peak"] - 0.5 * (a.evidence["peak"] - a.evidence["first"])
+  row = a.record("logged")
+  assert row["diagnosis"][0].startswith("value loss") and row["diagnosis"][1].startswith("entropy")
+  assert row["diagnosis"][2].startswith("KL") and row["action"] == "logged"
+  # A rise too small to matter (under --alarm_reward_min_rise) collapsing is noise, not an alarm.
+  small = [{"reward_mean": 0.1}] * 10 + _ramp(10, "reward_mean", 0.1, 0.13) + _ramp(10, "reward_mean", 0.13, 0.1)
+  assert _feed(small) == []
+
+
+@pytest.mark.parametrize(
+  "kind, series",
+  [
+    ("entropy_collapse", [{}] * 10 + _ramp(10, "entropy", 2.0, 0.01) + [{"entropy": 0.01}] * 10),
+    ("kl_blowup", [{}] * 10 + [{"kl_k3": 5.0}] * 10),
+    ("length_explosion", [{}] * 10 + _ramp(10, "response_len", 5.0, 40.0)),
+    ("grad_norm_collapse", [{}] * 10 + [{"grad_norm": 1e-4}] * 10),
+  ],
+)
+def test_each_shape_fires_its_own_alarm_and_nothing_else(kind, series):
+  fired = _feed(series)
+  assert [a.kind for a in fired] == [kind]
+  assert fired[0].onset <= fired[0].step and set(DIAGNOSIS) == set(ALARM_KINDS)
+
+
+def test_a_value_loss_spike_fires_per_spike_and_clears_between():
+  series = [{}] * 8 + [{"value_loss": 5.0}] + [{}] * 8 + [{"value_loss": 3.0}] + [{}] * 3
+  fired = _feed(series)
+  assert [(a.kind, a.step) for a in fired] == [("value_loss_spike", 9), ("value_loss_spike", 18)]
+  assert fired[0].evidence == {"value_loss": 5.0, "median_before": 0.1}
+
+
+def test_grad_norm_of_steps_without_a_learning_signal_is_not_a_collapse():
+  # All groups equal: no gradient is expected; those steps are not evidence.
+  series = [{}] * 10 + [{"grad_norm": 0.0, "frac_groups_all_equal": 1.0}] * 20
+  assert _feed(series) == []
+
+
+def test_periodic_reward_jitter_is_found_with_its_period():
+  rng = np.random.default_rng(0)
+  t = np.arange(60)
+  reward = 0.3 + 0.004 * t + 0.1 * np.sin(2 * np.pi * t / 4) + rng.normal(0, 0.01, 60)
+  fired = _feed([{"reward_mean": float(r)} for r in reward])
+  assert [a.kind for a in fired] == ["reward_jitter"] and fired[0].evidence["period"] == 4
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_rising_noisy_reward_raises_nothing(seed):
+  """A healthy learning curve (a saturating rise with batch noise, entropy slowly falling) on any seed."""
+  rng = np.random.default_rng(seed)
+  t = np.arange(200)
+  reward = 0.1 + 0.5 * (1 - np.exp(-t / 60)) + rng.normal(0, 0.04, 200)
+  entropy = 2.0 - 0.5 * t / 200 + rng.normal(0, 0.05, 200)
+  kl = 0.002 * t / 20 + np.abs(rng.normal(0, 0.002, 200))
+  series = [
+    {"reward_mean": float(r), "entropy": float(e), "kl_k3": float(k), "grad_norm": float(abs(g))}
+    for r, e, k, g in zip(reward, entropy, kl, rng.normal(1.0, 0.3, 200), strict=True)
+  ]
+  assert _feed(series, AlarmSettings()) == []
+
+
+def test_the_detectors_resume_from_their_state_as_if_never_stopped():
+  series = [{"reward_mean": 0.1}] * 10 + _ramp(20, "reward_mean", 0.1, 0.6) + _ramp(10, "reward_mean", 0.6, 0.1)
+  whole = _feed(series)
+  first, second = Alarms(AlarmSettings(window=W)), Alarms(AlarmSettings(window=W))
+  fired = []
+  for step, changes in enumerate(series[:25], start=1):
+    fired += first.update(step, {**HEALTHY, **changes})
+  second.load_state_dict(json.loads(json.dumps(first.state_dict())))  # through a checkpoint's JSON
+  for step, changes in enumerate(series[25:], start=26):
+    fired += second.update(step, {**HEALTHY, **changes})
+  assert fired == whole
+
+
+def test_a_huge_learning_rate_is_caught_rolled_back_and_damped(tmp_path, capsys):
+  """Learning rate 0.5 and a strong entropy bonus on the tiny model (a gradient whatever the rewards): the
+  KL to the reference blows up within a few steps.  With
+  --on_alarm=rollback the alarm restores the policy from before the damage with the learning rate halved
+  and the KL coefficient doubled, twice at most, and the run completes; every alarm is on record."""
+  from mimo_jax.main import main
+
+  run_dir = tmp_path / "run"
+  flags = [
+    "--flagfile=" + os.path.join(ROOT, "experiments", "grpo_tiny.flags"),
+    "--model_preset=tiny",
+    "--sft_steps=30",
+    "--sft_batch_size=32",
+    "--max_steps=12",
+    "--prompts_per_step=8",
+    "--num_samples=4",
+    "--eval_every=0",
+    "--eval_prompts=8",
+    "--eval_samples=2",
+    "--checkpoint_every=1",
+    "--keep_last=20",
+    "--tensorboard=false",
+    "--learning_rate=0.5",
+    "--entropy_coef=0.5",
+    "--warmup_steps=0",
+    "--alarm_window=2",
+    "--on_alarm=rollback",
+    "--max_alarm_rollbacks=2",
+    f"--run_dir={run_dir}",
+  ]
+  assert main(["prog", *flags]) == 0
+  out = capsys.readouterr().out
+  rows = [json.loads(line) for line in open(run_dir / "alarms.jsonl")]
+  rolled = [r for r in rows if r["action"].startswith("rolled back to RL step")]
+  assert len(rolled) == 2 and rolled[0]["kind"] == "kl_blowup"
+  for r in rolled:
+    back = int(r["action"].split("RL step ")[1].split(";")[0])
+    assert (
+      back <= r["onset"] - 2 and r["evidence"]["kl_smoothed"] > 1.0 and r["diagnosis"] == list(DIAGNOSIS[r["kind"]])
+    )
+  assert all("spent" in r["action"] or "another alarm" in r["action"] for r in rows[rows.index(rolled[-1]) + 1 :])
+  assert "alarm at RL step" in out and "action: rolled back to RL step" in out
+  metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+  rl = [m for m in metrics if "reward_mean" in m]
+  # Every step logged once (the rolled-back ones redone), the interventions in effect and compounding.
+  assert [m["step"] for m in rl] == list(range(1, 13)) and rl[-1]["alarm_rollbacks"] == 2
+  assert rl[-1]["kl_coef"] == pytest.approx(0.001 * 2 * 2)
+  summary = json.loads((run_dir / "summary.json").read_text())
+  assert summary["alarm_rollbacks"] == 2
+
+
+def test_the_embedded_defaults_recorded_learning_curve_raises_nothing():
+  """The logged curve of `make run` (seed 0, 800 RL steps, 44.5% -> 86.7% held-out) replayed through the
+  shipped thresholds: a healthy run of the embedded default raises no alarm."""
+  from mimo_jax.main import parse_config
+
+  assert parse_config(["prog"]).logging.alarm_settings() == AlarmSettings()  # the shipped thresholds
+  curve = json.load(open(os.path.join(ROOT, "tests", "data", "grpo_tiny_seed0_curve.json")))
+  keys = [k for k in curve if k not in ("source", "step")]
+  alarms = Alarms(AlarmSettings())
+  fired = []
+  for i, step in enumerate(curve["step"]):
+    fired += alarms.update(step, {k: curve[k][i] for k in keys})
+  assert len(curve["step"]) == 800 and fired == []
+  # The same curve with its reward collapsing after step 400 does raise one (the detector is live on it).
+  collapsed = [(curve["reward_mean"][i] if i < 400 else 0.3) for i in range(800)]
+  alarms = Alarms(AlarmSettings())
+  fired = [a for i, s in enumerate(curve["step"]) for a in alarms.update(s, {"reward_mean": collapsed[i]})]
+  assert [a.kind for a in fired] == ["reward_collapse"] and 400 < fired[0].step <= 420

@@ -1,0 +1,86 @@
+"""The compute ledger: FLOP counts against XLA's own count and a brute-force count, totals across a resume."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from mimo_jax.models import Transformer
+from mimo_jax.models.config import tiny
+from mimo_jax.provenance import provenance
+from mimo_jax.train.ledger import FlopCounter, Ledger, causal_keys
+
+
+def test_a_forward_counts_what_xla_counts_for_one_layer():
+  """XLA's cost analysis of the unoptimised program (one layer: a scanned stack is counted once) against the
+  formula, with the keys the dense attention computes (every key of every query): within the elementwise
+  work the formula leaves out."""
+  cfg = tiny().replace(d_model=256, mlp_dim=1024, num_heads=4, num_kv_heads=2, num_layers=1)
+  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+  B, T = 4, 8
+  lowered = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, jnp.zeros((B, T), jnp.int32))
+  cost = lowered.cost_analysis()
+  xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
+  ours = FlopCounter.of(cfg).forward(B * T, B * T * T, B * T)
+  assert ours == pytest.approx(xla, rel=0.02) and ours < xla
+
+
+def test_the_counts_equal_a_token_by_token_count():
+  fc = FlopCounter.of(tiny())
+  # tiny: L 2, D 64, N 4, K 2, H 16, F 128, V 256: per token 2 * 2 * (64*64 + 2*64*32 + 64*64 + 3*64*128).
+  assert fc.per_token == 147456
+  assert fc.forward(3, 6, 2) == 3 * 147456 + 4 * 2 * 4 * 16 * 6 + 2 * 64 * 256 * 2
+  assert causal_keys(0, 3) == 6 and causal_keys(3, 2) == 4 + 5
+
+  def one_query(keys: int, logits: bool) -> int:  # one token through the model, attending `keys` keys
+    return fc.per_token + 4 * 2 * 4 * 16 * keys + (2 * 64 * 256 if logits else 0)
+
+  prompts, completions = [5, 1, 7], [3, 1, 0]
+  brute_gen = brute_score = 0
+  for p, c in zip(prompts, completions, strict=True):
+    brute_gen += sum(one_query(t, logits=(t == p and c > 0)) for t in range(1, p + 1))  # prefill
+    brute_gen += sum(one_query(p + j, logits=True) for j in range(1, c))  # one decode step per further token
+    brute_score += sum(one_query(t, logits=t > p) for t in range(1, p + c + 1))
+  assert fc.generate(prompts, completions) == brute_gen
+  assert fc.score(prompts, completions) == brute_score
+
+
+def test_a_step_adds_up_the_phases_and_the_totals_survive_a_checkpoint():
+  fc = FlopCounter.of(tiny())
+  kw = dict(epochs=2, rollout_devices=2, learner_devices=6)
+  ledger = Ledger(fc, use_reference=True, use_value=True, remat_full=True, **kw)
+  p, c = [4, 6], [2, 3]
+  score, value = fc.score(p, c), fc.score(p, c, head="value")
+  m = ledger.step(p, c, rounds=2, value_passes=3, time_generate_s=1.5, time_train_s=2.0)
+  assert m["flops_generate"] == 2 * fc.generate(p, c) and m["flops_score"] == m["flops_reference"] == score
+  # forward + backward with the forward recomputed (remat full): 4 forwards, per epoch; the critic's
+  # forward for the values and 4 forwards per value pass.
+  assert m["flops_learn"] == 4 * 2 * score + value + 4 * 3 * value
+  assert m["flops_step"] == m["flops_generate"] + 2 * score + m["flops_learn"]
+  assert (m["device_s_generate"], m["device_s_train"], m["device_s_total"]) == (3.0, 12.0, 15.0)
+  assert (m["samples_total"], m["tokens_total"]) == (2, 15)
+  saved = ledger.state_dict()
+  m2 = ledger.step(p, c, trained=False, time_generate_s=0.5, time_train_s=0.5)
+  plain = Ledger(fc, use_reference=False, use_value=False, remat_full=False, **kw)
+  assert m2["flops_learn"] == value  # value warm-up: the policy is not updated, the critic's forward runs
+  assert plain.step(p, c)["flops_learn"] == 3 * 2 * score and plain.step(p, c)["flops_reference"] == 0
+  resumed = Ledger(fc, use_reference=True, use_value=True, remat_full=True, **kw)
+  resumed.load_state_dict(saved)
+  assert resumed.step(p, c, trained=False, time_generate_s=0.5, time_train_s=0.5) == m2
+  fresh = Ledger(fc, use_reference=True, use_value=True, remat_full=True, **kw)
+  fresh.load_state_dict(None)  # a checkpoint written before the ledger
+  assert fresh.state_dict() == {"flops_total": 0, "samples_total": 0, "tokens_total": 0, "device_s_total": 0.0}
+
+
+def test_provenance_names_the_commit_and_the_libraries():
+  import subprocess
+
+  import flax
+
+  record = provenance()
+  assert record["libraries"]["jax"] == jax.__version__ and record["libraries"]["flax"] == flax.__version__
+  head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+  if head:  # a checkout (CI clones one): the commit is HEAD's, and the dirty flag is a bool
+    assert record["code"]["commit"] == head and isinstance(record["code"]["dirty"], bool)
