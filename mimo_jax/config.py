@@ -26,6 +26,16 @@ DTYPE_CHOICES = ("", "float32", "bfloat16", "float16")
 SHAPE_FLAGS = ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
 
 
+def default_ks(num_samples: int) -> tuple[int, ...]:
+  """The k of pass@k / maj@k an evaluation reports: 1, the powers of 8 below ``num_samples``, and
+  ``num_samples`` (``1, 8, 64`` for 64)."""
+  ks, k = {1, num_samples}, 8
+  while k < num_samples:
+    ks.add(k)
+    k *= 8
+  return tuple(sorted(ks))
+
+
 def parse_int_list(name: str, text: str) -> tuple[int, ...]:
   """Parses ``"64,128"`` into ``(64, 128)``; raises ConfigError naming the flag."""
   try:
@@ -499,21 +509,6 @@ class LoggingConfig:
   def __post_init__(self):
     check_fields(self)
 
-  def alarm_settings(self):
-    from mimo_jax.train.alarms import AlarmSettings
-
-    return AlarmSettings(
-      window=self.alarm_window,
-      reward_drop=self.alarm_reward_drop,
-      reward_min_rise=self.alarm_reward_min_rise,
-      entropy_floor=self.alarm_entropy_floor,
-      kl_max=self.alarm_kl_max,
-      value_spike=self.alarm_value_spike,
-      length_growth=self.alarm_length_growth,
-      grad_floor=self.alarm_grad_floor,
-      jitter_acf=self.alarm_jitter_acf,
-    )
-
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
@@ -630,8 +625,6 @@ def validate(cfg: Config, num_devices: int) -> None:
   if not cfg.model.hf_checkpoint:
     validate_model_on_mesh(cfg.model.model_config(), cfg.mesh, num_devices)
   if cfg.checkpoint.keep_best.startswith(("pass@", "maj@")):
-    from mimo_jax.eval.evaluator import default_ks
-
     ks = default_ks(cfg.run.eval_samples)
     check(
       int(cfg.checkpoint.keep_best.split("@")[1]) in ks,

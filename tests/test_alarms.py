@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from mimo_jax.train.alarms import ALARM_KINDS, DIAGNOSIS, Alarms, AlarmSettings
+from mimo_jax.train.alarms import ALARM_KINDS, DIAGNOSIS, Alarms, AlarmSettings, alarm_settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 W = 5
@@ -173,7 +173,7 @@ def test_the_embedded_defaults_recorded_learning_curve_raises_nothing():
   shipped thresholds: a healthy run of the embedded default raises no alarm."""
   from mimo_jax.main import parse_config
 
-  assert parse_config(["prog"]).logging.alarm_settings() == AlarmSettings()  # the shipped thresholds
+  assert alarm_settings(parse_config(["prog"]).logging) == AlarmSettings()  # the shipped thresholds
   curve = json.load(open(os.path.join(ROOT, "tests", "data", "grpo_tiny_seed0_curve.json")))
   keys = [k for k in curve if k not in ("source", "step")]
   alarms = Alarms(AlarmSettings())

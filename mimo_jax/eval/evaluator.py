@@ -29,7 +29,7 @@ from flax import nnx
 
 from mimo_jax import sharding
 from mimo_jax.ckpt.manager import CheckpointCorrupted, Checkpointer
-from mimo_jax.config import CONCERN_CLASSES, RUN_RECORD_KEYS, Config
+from mimo_jax.config import CONCERN_CLASSES, RUN_RECORD_KEYS, Config, default_ks
 from mimo_jax.config_base import ConfigError, coerce_value
 from mimo_jax.eval.metrics import majority_at_k, pass_at_k
 from mimo_jax.models import ModelConfig, Transformer, abstract_state
@@ -398,15 +398,6 @@ def resolve_checkpoint(path: str) -> tuple[str, int | None]:
   if not _step_dirs(os.path.join(path, "checkpoints")):
     raise FileNotFoundError(f"{path}: the run has no checkpoints ({os.path.join(path, 'checkpoints')} is empty)")
   return path, None
-
-
-def default_ks(num_samples: int) -> tuple[int, ...]:
-  """1, the powers of 8 below ``num_samples``, and ``num_samples`` (``1, 8, 64`` for 64)."""
-  ks, k = {1, num_samples}, 8
-  while k < num_samples:
-    ks.add(k)
-    k *= 8
-  return tuple(sorted(ks))
 
 
 def eval_rows(num_prompts: int, batch_shards: int) -> int:

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ALARM_KINDS", "DIAGNOSIS", "Alarm", "AlarmSettings", "Alarms"]
+__all__ = ["ALARM_KINDS", "DIAGNOSIS", "Alarm", "AlarmSettings", "Alarms", "alarm_settings"]
 
 ALARM_KINDS = (
   "reward_collapse",
@@ -102,6 +102,21 @@ class AlarmSettings:
   length_growth: float = 3.0
   grad_floor: float = 0.01
   jitter_acf: float = 0.6
+
+
+def alarm_settings(logging_cfg: Any) -> AlarmSettings:
+  """The thresholds of a run's ``LoggingConfig`` (the ``--alarm_*`` flags)."""
+  return AlarmSettings(
+    window=logging_cfg.alarm_window,
+    reward_drop=logging_cfg.alarm_reward_drop,
+    reward_min_rise=logging_cfg.alarm_reward_min_rise,
+    entropy_floor=logging_cfg.alarm_entropy_floor,
+    kl_max=logging_cfg.alarm_kl_max,
+    value_spike=logging_cfg.alarm_value_spike,
+    length_growth=logging_cfg.alarm_length_growth,
+    grad_floor=logging_cfg.alarm_grad_floor,
+    jitter_acf=logging_cfg.alarm_jitter_acf,
+  )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,7 @@ from mimo_jax.rollout import FINISH_LENGTH, Sampler
 from mimo_jax.rollout.encoding import encode_prompts, encode_targets
 from mimo_jax.tasks.registry import build_task, check_sandbox
 from mimo_jax.train import rundir
-from mimo_jax.train.alarms import Alarms
+from mimo_jax.train.alarms import Alarms, alarm_settings
 from mimo_jax.train.async_rollout import AsyncRollout
 from mimo_jax.train.learner import Experience, LearnerState, build_learner, init_controller_state, uses_kl
 from mimo_jax.train.ledger import FlopCounter, Ledger
@@ -214,7 +214,7 @@ class RLRun:
     self.learner = build_learner(cfg, self.mesh, self.graphdef, self.value_graphdef)
     self.rl_tx, self.lr_schedule = self.learner.tx, self.learner.schedule
     # ---- failure-shape alarms over the logged records (state checkpointed with the run)
-    self.alarms = Alarms(cfg.logging.alarm_settings())
+    self.alarms = Alarms(alarm_settings(cfg.logging))
     self.alarm_rollbacks = 0
     # ---- the compute ledger: FLOPs and device-seconds by phase, totals checkpointed with the run
     self.ledger = Ledger(
