@@ -1,0 +1,41 @@
+"""The compute-to-performance fit against known parameters on synthetic data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mimo_jax.sweep.fit import bootstrap, diminishing_returns, fit_sigmoid, sigmoid
+
+TRUE = dict(r0=0.1, a=0.8, b=1.5, c_mid=1e12)
+COMPUTE = np.logspace(10, 14, 9)
+
+
+def test_noise_free_points_give_back_the_parameters():
+  fit = fit_sigmoid(COMPUTE, sigmoid(COMPUTE, **TRUE), r0=0.1)
+  assert fit.a == pytest.approx(0.8, abs=1e-3) and fit.b == pytest.approx(1.5, rel=1e-2)
+  assert fit.c_mid == pytest.approx(1e12, rel=2e-2) and fit.rmse < 1e-3
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noisy_seeds_recover_the_parameters_inside_the_bootstrap_intervals(seed):
+  rng = np.random.default_rng(seed)
+  per_seed = [sigmoid(c, **TRUE) + rng.normal(0, 0.01, 3) for c in COMPUTE]  # 3 seeds per point
+  means = [float(np.mean(v)) for v in per_seed]
+  fit = fit_sigmoid(COMPUTE, means, r0=0.1)
+  assert abs(fit.a - 0.8) < 0.03 and abs(np.log10(fit.c_mid) - 12) < 0.15 and 1.0 < fit.b < 2.2
+  ci = bootstrap(COMPUTE, per_seed, r0=0.1, samples=60, level=0.95, seed=seed)
+  assert ci["a"][0] <= fit.a <= ci["a"][1] and ci["a"][1] - ci["a"][0] < 0.1
+  assert ci["c_mid"][0] < ci["c_mid"][1]
+
+
+def test_the_asymptote_is_capped_and_the_point_of_diminishing_returns_is_exact():
+  # A curve still rising at the last point: the fitted ceiling stays within an accuracy's range.
+  fit = fit_sigmoid(COMPUTE[:4], sigmoid(COMPUTE[:4], r0=0.1, a=0.99, b=1.0, c_mid=1e13), r0=0.1)
+  assert fit.a <= 1.0
+  exact = fit_sigmoid(COMPUTE, sigmoid(COMPUTE, r0=0.0, a=0.5, b=1.0, c_mid=1e12), r0=0.0)
+  # B = 1: 90% of the gain at 9 x C_mid.
+  assert diminishing_returns(exact, 0.9) == pytest.approx(9 * exact.c_mid)
+  assert diminishing_returns(exact, 0.5) == pytest.approx(exact.c_mid)
+  with pytest.raises(ValueError, match="at least 3 points"):
+    fit_sigmoid([1.0, 2.0], [0.1, 0.2], r0=0.0)
