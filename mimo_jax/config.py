@@ -583,6 +583,29 @@ CONCERN_CLASSES: dict[str, type] = {
 # started on (e.g. the sandbox isolation in effect), not settings.  Readers that rebuild a Config
 # skip them, and a resume never compares them (the next machine may legitimately differ).
 RUN_RECORD_KEYS = ("sandbox", "provenance")
+# Settings added after run directories were first written, each defaulting to what the trainer did
+# before it existed: a config.json without them reads as that default (an older run's directory stays
+# readable by evaluation and export).  Any other missing setting is refused.
+ADDED_SETTINGS = {
+  "model": SHAPE_FLAGS,
+  "logging": (
+    "log_samples",
+    "on_alarm",
+    "max_alarm_rollbacks",
+    "alarm_window",
+    "alarm_reward_drop",
+    "alarm_reward_min_rise",
+    "alarm_entropy_floor",
+    "alarm_kl_max",
+    "alarm_value_spike",
+    "alarm_length_growth",
+    "alarm_grad_floor",
+    "alarm_jitter_acf",
+    "alarm_lr_factor",
+    "alarm_kl_factor",
+  ),
+  "checkpoint": ("keep_best",),
+}
 
 
 def validate(cfg: Config, num_devices: int) -> None:

@@ -466,3 +466,15 @@ def test_main_builds_the_shape_the_flags_name(capsys):
   assert main(["prog", f"--flagfile={path}", "--d_model=32", "--num_layers=1"]) == 0
   # 1 layer at d 32 (head 8, kv width 16, MLP 128) plus embedding and unembedding 2*256*32 and the final norm.
   assert "params: 31840" in capsys.readouterr().out
+
+
+def test_the_settings_added_later_are_real_fields_whose_defaults_keep_the_old_behaviour():
+  from mimo_jax.config import ADDED_SETTINGS, SHAPE_FLAGS
+
+  for concern, names in ADDED_SETTINGS.items():
+    fields = {f.name: f for f in dataclasses.fields(CONCERN_CLASSES[concern])}
+    assert set(names) <= set(fields), concern
+  defaults = Config()
+  # The defaults that keep an older run's behaviour: the preset's shape, no best copy, alarms that only log.
+  assert all(getattr(defaults.model, n) == 0 for n in SHAPE_FLAGS)
+  assert defaults.checkpoint.keep_best == "" and defaults.logging.on_alarm == "log"

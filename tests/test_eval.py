@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from mimo_jax.config import Config
+from mimo_jax.config import ADDED_SETTINGS, Config
 from mimo_jax.config_base import ConfigError
 from mimo_jax.eval import (
   config_from_dict,
@@ -225,6 +225,12 @@ def test_config_from_dict_round_trips_and_names_bad_fields():
     config_from_dict(d)
   assert "unknown fields: run.bogus" in str(e.value)
   assert "missing fields: logging" in str(e.value) and "data.task" in str(e.value)
+  # A run directory written before the newer settings existed reads as their defaults.
+  d = cfg.to_dict()
+  for concern, names in ADDED_SETTINGS.items():
+    for name in names:
+      del d[concern][name]
+  assert config_from_dict(d) == cfg
   d = cfg.to_dict()
   d["run"]["max_steps"] = "ten"
   with pytest.raises(ConfigError, match=r"run\.max_steps='ten' \(expected int\)"):

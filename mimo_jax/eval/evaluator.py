@@ -29,7 +29,7 @@ from flax import nnx
 
 from mimo_jax import sharding
 from mimo_jax.ckpt.manager import CheckpointCorrupted, Checkpointer
-from mimo_jax.config import CONCERN_CLASSES, RUN_RECORD_KEYS, Config, default_ks
+from mimo_jax.config import ADDED_SETTINGS, CONCERN_CLASSES, RUN_RECORD_KEYS, Config, default_ks
 from mimo_jax.config_base import ConfigError, coerce_value
 from mimo_jax.eval.metrics import majority_at_k, pass_at_k
 from mimo_jax.models import ModelConfig, Transformer, abstract_state
@@ -291,7 +291,8 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
   Every concern and every field must be present and known, so a configuration written by a
   different version of the trainer is refused rather than silently completed with defaults.
   The run records a ``config.json`` also holds (``RUN_RECORD_KEYS``: the sandbox isolation of
-  the machine) are not settings and are skipped.
+  the machine, the code's provenance) are not settings and are skipped.  Settings added later
+  (``ADDED_SETTINGS``, each defaulting to the older behaviour) may be absent.
 
   Args:
     d: ``{concern: {field: value}}``, plus optional run records.
@@ -318,7 +319,8 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
       continue
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown += [f"{concern}.{name}" for name in sorted(set(values) - set(fields))]
-    missing += [f"{concern}.{name}" for name in sorted(set(fields) - set(values))]
+    added = set(ADDED_SETTINGS.get(concern, ()))  # newer settings: absent means their default
+    missing += [f"{concern}.{name}" for name in sorted(set(fields) - set(values) - added)]
     kwargs = {}
     for name, f in fields.items():
       if name not in values:
