@@ -428,6 +428,11 @@ def test_running_normaliser_hand_checked() -> None:
   np.testing.assert_allclose(first.normalized["v"], [-1.0, 1.0], rtol=1e-6)
   np.testing.assert_allclose(first.rewards, [-2.0, 2.0], rtol=1e-6)
   np.testing.assert_array_equal(first.components["v"], [1.0, 3.0])  # raw values are kept
+  # The raw mix (what is logged as the reward): the weight times the raw values, not the normalised ones;
+  # it survives selecting and concatenating rows (dynamic sampling).
+  np.testing.assert_array_equal(first.raw_rewards, [2.0, 6.0])
+  both = RewardBatch.concatenate([first.select(np.array([1])), first.select(np.array([0]))])
+  np.testing.assert_array_equal(both.raw_rewards, [6.0, 2.0])
   assert reward.state_dict()["stats"] == {"t": {"v": {"mean": 2.0, "var": 1.0, "updates": 1}}}
   second = reward([_sample("t", value=5.0), _sample("t", value=7.0)])
   # Batch mean 6, var 1: mean' = 0.5*2 + 0.5*6 = 4; var' = 0.5*(1 + (2-4)^2) + 0.5*(1 + (6-4)^2) = 5.
@@ -446,6 +451,7 @@ def test_running_normaliser_makes_task_scales_comparable() -> None:
     return [_sample("big", value=float(v)) for v in big] + [_sample("small", value=float(v)) for v in small]
 
   raw = CompositeReward([source], normalize="none")(batch())
+  np.testing.assert_array_equal(raw.raw_rewards, raw.rewards)  # without normalisation the two are one
   assert np.std(raw.rewards[:32]) > 50 * np.std(raw.rewards[32:])  # unnormalised, "big" dominates
 
   reward = CompositeReward([source], normalize="task_running", ema=0.9)

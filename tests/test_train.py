@@ -342,12 +342,15 @@ def test_dry_run_13b_on_8_devices():
   assert learn["temp_gib"] > 0 and learn["alias_gib"] > 0.9 * learn["output_gib"]  # the state is donated
 
 
-@pytest.mark.parametrize("correct_samples, expected_reward", [((0, 2), 0.5), ((0, 1, 2, 3), 1.0)])
-def test_reward_and_advantage_wiring_with_a_scripted_rollout(tmp_path, correct_samples, expected_reward):
+@pytest.mark.parametrize(
+  "correct_samples, expected_reward, normalize",
+  [((0, 2), 0.5, "none"), ((0, 1, 2, 3), 1.0, "none"), ((0, 2), 0.5, "task_running")],
+)
+def test_reward_and_advantage_wiring_with_a_scripted_rollout(tmp_path, correct_samples, expected_reward, normalize):
   from mimo_jax.testing import FakeRollout
   from mimo_jax.train.loop import RLRun
 
-  cfg = _cfg(tmp_path, "--mesh_fsdp=8", "--kl_coef=0")
+  cfg = _cfg(tmp_path, "--mesh_fsdp=8", "--kl_coef=0", f"--reward_normalize={normalize}")
   holder = {}
 
   def respond(prompt_ids, g):
@@ -367,7 +370,13 @@ def test_reward_and_advantage_wiring_with_a_scripted_rollout(tmp_path, correct_s
   holder["problems"] = run.task.sample(replay, cfg.data.prompts_per_step)
   version = run.sampler.params_version
   state, (record, hist, samples) = run.step(state, 0)
+  # The logged reward is the raw one whatever trains; the per-task normalised mix has its own key
+  # (the first batch standardised by its own mean 0.5 and std 0.5: +-1, mean 0).
   assert record["reward_mean"] == expected_reward and record["accuracy"] == expected_reward
+  if normalize == "none":
+    assert "reward_normalized_mean" not in record
+  else:
+    assert record["reward_normalized_mean"] == pytest.approx(0.0, abs=1e-6)
   assert record["frac_groups_all_equal"] == (1.0 if expected_reward == 1.0 else 0.0)
   if expected_reward == 1.0:
     assert record["adv_abs_mean"] == 0.0 and record["pg_loss"] == 0.0  # nothing to learn from

@@ -713,6 +713,9 @@ class RewardBatch:
     normalized: per source name, float32 ``[B]`` values as they entered the mix (before the
       weight): the raw value with ``normalize="none"``, the standardised one with
       ``"task_running"``; 0 where failed, NaN where the component does not apply.
+    raw_rewards: float32 ``[B]``, the same weighted mix of the *raw* components (what is logged as
+      the reward; equal to ``rewards`` with ``normalize="none"``).  None: not computed (then the
+      logged reward is ``rewards``).
   """
 
   rewards: np.ndarray
@@ -720,6 +723,7 @@ class RewardBatch:
   failed: dict[str, np.ndarray]
   errors: list[str] = dataclasses.field(default_factory=list)
   normalized: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  raw_rewards: np.ndarray | None = None
 
   def _valid(self, name: str) -> np.ndarray:
     return ~np.isnan(self.components[name]) & ~self.failed[name]
@@ -733,6 +737,7 @@ class RewardBatch:
       failed={k: v[rows] for k, v in self.failed.items()},
       errors=list(self.errors),
       normalized={k: v[rows] for k, v in self.normalized.items()},
+      raw_rewards=None if self.raw_rewards is None else self.raw_rewards[rows],
     )
 
   @staticmethod
@@ -748,6 +753,9 @@ class RewardBatch:
       failed=cat("failed"),
       errors=[e for b in batches for e in b.errors],
       normalized=cat("normalized"),
+      raw_rewards=(
+        None if any(b.raw_rewards is None for b in batches) else np.concatenate([b.raw_rewards for b in batches])
+      ),
     )
 
   def metrics(self) -> dict[str, float]:
@@ -1001,14 +1009,18 @@ class CompositeReward:
     tasks = np.array(list(tasks), dtype=object)
     applies = {src.name: np.array([src.applies_to(t) for t in tasks], dtype=bool) for src in self.sources}
     rewards = np.zeros(len(tasks), np.float64)
+    raw_rewards = np.zeros(len(tasks), np.float64)
     normalized: dict[str, np.ndarray] = {}
     for src in self.sources:
       values = np.asarray(raw[src.name], np.float64)
-      mixed = self._normalize(src.name, values, applies[src.name], np.asarray(failed[src.name], bool), tasks)
+      bad = np.asarray(failed[src.name], bool)
+      mixed = self._normalize(src.name, values, applies[src.name], bad, tasks)
       normalized[src.name] = mixed.astype(np.float32)
       rewards += src.weight * np.where(applies[src.name], mixed, 0.0)
+      raw_rewards += src.weight * np.where(applies[src.name] & ~bad, np.nan_to_num(values), 0.0)
     return RewardBatch(
       rewards=rewards.astype(np.float32),
+      raw_rewards=raw_rewards.astype(np.float32),
       components={name: np.asarray(raw[name]).astype(np.float32) for name in self.names},
       failed={name: np.asarray(failed[name], bool) for name in self.names},
       errors=[_truncate(m) for m in list(errors)[:_MAX_BATCH_ERRORS]],

@@ -714,8 +714,9 @@ class RLRun:
     if "value_passes" in value_metrics:
       value_metrics["value_passes"] = int(value_metrics["value_passes"])
     record = {
-      "reward_mean": float(rewards.values.mean()),
-      "reward_std": float(rewards.values.std()),
+      # Always the raw reward; what trained, when normalised per task, has its own key below.
+      "reward_mean": float(rewards.logged.mean()),
+      "reward_std": float(rewards.logged.std()),
       "accuracy": float(rewards.correct.mean()),
       "response_len": float(np.mean(lengths)),
       "truncated_frac": float(np.mean(finish == FINISH_LENGTH)),
@@ -741,6 +742,8 @@ class RLRun:
       "time_step_s": t2 - t0,
     }
     record["rollout_share"] = record["time_generate_s"] / max(record["time_step_s"], 1e-9)
+    if cfg.data.reward_normalize != "none":
+      record["reward_normalized_mean"] = float(rewards.values.mean())
     record.update(device_memory())  # where the backend reports it (not on CPU)
     record.update(
       self.ledger.step(
@@ -756,7 +759,7 @@ class RLRun:
     if kl_per_seq is not None:  # the prompt with the largest KL to the reference, by id
       worst = int(np.argmax(np.asarray(kl_per_seq).reshape(-1, cfg.rollout.num_samples).mean(axis=1)))
       record["kl_prompt_max_id"] = int(batch.experience.prompt_id[worst * cfg.rollout.num_samples])
-    hist = {"reward_hist": rewards.values, "response_len_hist": lengths, **rewards.histograms}
+    hist = {"reward_hist": rewards.logged, "response_len_hist": lengths, **rewards.histograms}
     return state, (record, hist, samples)
 
   def rollback(self, state: LearnerState, step: int) -> tuple[LearnerState, int]:

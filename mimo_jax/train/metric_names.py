@@ -29,6 +29,7 @@ METRICS: tuple[tuple[str, str], ...] = (
   ("reward_std", "raw reward of the trained batch, standard deviation"),
   ("accuracy", "fraction of the batch's completions the verifier accepts"),
   ("reward/*", "per reward component: `reward/<name>_mean`, `reward/<name>_fail_frac`, `reward/failures`"),
+  ("reward_normalized_mean", "with `--reward_normalize=task_running`: the per-task normalised mix that trains, mean"),
   ("shaped_reward_mean", "reward after shaping (quantile clip, EMA standardisation, KL-in-reward, overlong), mean"),
   (
     "reward_ema_*",

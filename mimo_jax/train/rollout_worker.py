@@ -55,6 +55,8 @@ class Rewards:
     histograms: per-component raw values (``reward/<name>``), logged as histograms.
     components: per source name, float32 ``[B]`` raw values (NaN where a source does not apply).
     batch: the composite reward's own batch the metrics came from (None for a stand-in reward).
+    raw: float32 ``[B]`` the raw mix (the sources' raw values, weighted, before any normalisation):
+      the logged reward.  None: ``values`` is raw already.
   """
 
   values: np.ndarray
@@ -64,6 +66,12 @@ class Rewards:
   histograms: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
   components: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
   batch: RewardBatch | None = None
+  raw: np.ndarray | None = None
+
+  @property
+  def logged(self) -> np.ndarray:
+    """The reward as logged: always the raw mix (``values`` is what trains, normalised if asked)."""
+    return self.values if self.raw is None else self.raw
 
 
 def _select_groups(
@@ -117,7 +125,8 @@ def _select_groups(
       [rounds[r][2].batch.select(np.arange(g * group_size, (g + 1) * group_size)) for r, g in picks]
     )
     metrics, histograms = batch.metrics(), batch.histograms()
-  rewards = Rewards(gather("values"), gather("correct"), texts, metrics, histograms, components, batch)
+  raw = gather("raw") if all(r[2].raw is not None for r in rounds) else None
+  rewards = Rewards(gather("values"), gather("correct"), texts, metrics, histograms, components, batch, raw)
   return problems, rollout, rewards
 
 
@@ -266,7 +275,8 @@ class RolloutWorker:
       batch = self.rewarder(reward_samples(problems, texts, G, truncated))
     correct = (batch.components["correct"] > 0) & ~batch.failed["correct"]
     values = np.asarray(batch.rewards, np.float32)
-    return Rewards(values, correct, texts, batch.metrics(), batch.histograms(), batch.components, batch)
+    raw = None if batch.raw_rewards is None else np.asarray(batch.raw_rewards, np.float32)
+    return Rewards(values, correct, texts, batch.metrics(), batch.histograms(), batch.components, batch, raw)
 
   def _reward_own_rows(self, problems, rollout: RolloutOutput, truncated: np.ndarray):
     """A multi-process run's rewards: this host decodes and scores only the rows on its devices; the raw

@@ -69,7 +69,7 @@ def select_samples(
   if k <= 0:
     return []
   rewards = batch.rewards
-  values = np.asarray(rewards.values, np.float64)
+  values = np.asarray(rewards.logged, np.float64)  # the raw reward, as logged
   picks: list[tuple[str, int, float | None]] = []
   picks += [("reward_top", i, None) for i in _order(values, k, largest=True)]
   picks += [("reward_bottom", i, None) for i in _order(values, k, largest=False)]
