@@ -221,9 +221,10 @@ def test_a_humaneval_run_records_the_sandbox_and_evaluation_rechecks(tmp_path, m
   assert summary["sandbox"] == expected
   assert json.loads((run_dir / "summary.json").read_text())["sandbox"] == expected
   on_disk = json.loads((run_dir / "config.json").read_text())
-  assert on_disk["sandbox"] == expected and {k: v for k, v in on_disk.items() if k != "sandbox"} == json.loads(
-    cfg.to_json()
-  )
+  # Besides the settings: the sandbox record and the provenance record (code version, libraries).
+  assert set(on_disk["provenance"]) == {"code", "libraries", "python"}
+  settings = {k: v for k, v in on_disk.items() if k not in ("sandbox", "provenance")}
+  assert on_disk["sandbox"] == expected and settings == json.loads(cfg.to_json())
   assert "sandbox isolation: mode=namespace" in capsys.readouterr().out
 
   # Resuming where the machine's record differs is no config mismatch (the run is complete: no compute).
