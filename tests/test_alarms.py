@@ -181,6 +181,10 @@ def test_the_embedded_defaults_recorded_learning_curve_raises_nothing():
   for i, step in enumerate(curve["step"]):
     fired += alarms.update(step, {k: curve[k][i] for k in keys})
   assert len(curve["step"]) == 800 and fired == []
+  # The checkpointed state is bounded: the first window and the last 6, whatever the run's length.
+  state = alarms.state_dict()
+  assert all(len(v) <= 60 for v in state["recent"].values()) and all(len(v) == 10 for v in state["first"].values())
+  assert state["count"]["reward_mean"] == 800
   # The same curve with its reward collapsing after step 400 does raise one (the detector is live on it).
   collapsed = [(curve["reward_mean"][i] if i < 400 else 0.3) for i in range(800)]
   alarms = Alarms(AlarmSettings())

@@ -105,18 +105,8 @@ class AlarmSettings:
 
 
 def alarm_settings(logging_cfg: Any) -> AlarmSettings:
-  """The thresholds of a run's ``LoggingConfig`` (the ``--alarm_*`` flags)."""
-  return AlarmSettings(
-    window=logging_cfg.alarm_window,
-    reward_drop=logging_cfg.alarm_reward_drop,
-    reward_min_rise=logging_cfg.alarm_reward_min_rise,
-    entropy_floor=logging_cfg.alarm_entropy_floor,
-    kl_max=logging_cfg.alarm_kl_max,
-    value_spike=logging_cfg.alarm_value_spike,
-    length_growth=logging_cfg.alarm_length_growth,
-    grad_floor=logging_cfg.alarm_grad_floor,
-    jitter_acf=logging_cfg.alarm_jitter_acf,
-  )
+  """The thresholds of a run's ``LoggingConfig``: each field ``x`` is its flag ``--alarm_x``."""
+  return AlarmSettings(**{f.name: getattr(logging_cfg, "alarm_" + f.name) for f in dataclasses.fields(AlarmSettings)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,14 +168,20 @@ class Alarms:
   def __init__(self, settings: AlarmSettings, kinds: Sequence[str] = ALARM_KINDS):
     self.s = settings
     self.kinds = tuple(kinds)
-    self.series: dict[str, list[tuple[int, float]]] = {}
+    # Per watched key: its first window (the baselines), its last 6 windows (all any detector reads)
+    # and how many values it has had.  Bounded, so the checkpointed state does not grow with the run.
+    self.first: dict[str, list[float]] = {}
+    self.recent: dict[str, list[float]] = {}
+    self.count: dict[str, int] = {}
     self.active: dict[str, int] = {}  # kind -> onset of the shape currently holding
     self.peak = (-1, -math.inf)  # the smoothed reward's peak (step, value)
 
   def state_dict(self) -> dict[str, Any]:
     """The detectors' state (JSON-able; checkpointed, so a resume or a rollback continues from it)."""
     return {
-      "series": {k: [[int(t), float(v)] for t, v in pairs] for k, pairs in self.series.items()},
+      "first": {k: list(v) for k, v in self.first.items()},
+      "recent": {k: list(v) for k, v in self.recent.items()},
+      "count": dict(self.count),
       "active": dict(self.active),
       "peak": [int(self.peak[0]), None if math.isinf(self.peak[1]) else float(self.peak[1])],
     }
@@ -193,33 +189,45 @@ class Alarms:
   def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
     """Restores :meth:`state_dict` (None: a checkpoint written before the alarms; from scratch)."""
     state = state or {}
-    self.series = {k: [(int(t), float(v)) for t, v in pairs] for k, pairs in state.get("series", {}).items()}
+    self.first = {k: [float(x) for x in v] for k, v in state.get("first", {}).items()}
+    self.recent = {k: [float(x) for x in v] for k, v in state.get("recent", {}).items()}
+    self.count = {k: int(v) for k, v in state.get("count", {}).items()}
     self.active = {k: int(v) for k, v in state.get("active", {}).items()}
     step, value = state.get("peak", [-1, None])
     self.peak = (int(step), -math.inf if value is None else float(value))
 
+  def _add(self, key: str, value: float) -> None:
+    w = self.s.window
+    self.count[key] = self.count.get(key, 0) + 1
+    first = self.first.setdefault(key, [])
+    if len(first) < w:
+      first.append(value)
+    recent = self.recent.setdefault(key, [])
+    recent.append(value)
+    del recent[: -6 * w]
+
   def _values(self, key: str) -> list[float]:
-    return [v for _, v in self.series.get(key, [])]
+    """The key's last (up to) 6 windows of values."""
+    return self.recent.get(key, [])
+
+  def _ready(self, key: str) -> bool:
+    return self.count.get(key, 0) >= 2 * self.s.window
 
   def _smooth(self, key: str) -> float | None:
-    values = self._values(key)
-    w = self.s.window
-    return float(np.mean(values[-w:])) if len(values) >= 2 * w else None
+    return float(np.mean(self._values(key)[-self.s.window :])) if self._ready(key) else None
 
   def _first(self, key: str) -> float | None:
-    values = self._values(key)
-    w = self.s.window
-    return float(np.mean(values[:w])) if len(values) >= 2 * w else None
+    return float(np.mean(self.first[key])) if self._ready(key) else None
 
   def update(self, step: int, record: Mapping[str, Any]) -> list[Alarm]:
     """Feeds one RL step's record; returns the alarms that start firing at it."""
     for key in ("reward_mean", "entropy", "kl_k3", "value_loss", "response_len"):
       v = _finite(record.get(key))
       if v is not None:
-        self.series.setdefault(key, []).append((step, v))
+        self._add(key, v)
     g = _finite(record.get("grad_norm"))
     if g is not None and record.get("frac_groups_all_equal", 0.0) < 1.0:
-      self.series.setdefault("grad_norm", []).append((step, g))
+      self._add("grad_norm", g)
     holding: dict[str, tuple[int, dict[str, Any]]] = {}
     for kind in self.kinds:
       found = getattr(self, "_" + kind)(step)
