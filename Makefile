@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TPU_COMPILE := $(VENV)/libtpu-compile
 TPU_STAMP := $(TPU_COMPILE)/.installed
 
-.PHONY: setup run test tpu-compile lint format clean
+.PHONY: setup run test tpu-compile browser lint format clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,15 @@ tpu-compile: $(TPU_STAMP)
 run: $(STAMP)
 	$(PY) -m mimo_jax.main --flagfile=experiments/grpo_tiny.flags
 
-test: $(STAMP) $(TPU_STAMP)
+# Debian's Chromium and its driver, for the test that opens the run report in a real browser (installed
+# where missing; as root, or with sudo).
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver; \
+	fi
+
+test: $(STAMP) $(TPU_STAMP) browser
 	$(PY) -m pytest -q --durations=25
 
 lint: $(STAMP)

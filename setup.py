@@ -28,7 +28,24 @@ EXTRAS = {
   "hf": ["tokenizers>=0.22"],
   # Oracles for tests and conversion: transformers on CPU torch (pin the CPU wheel).
   # sympy: the math reward's symbolic-equivalence tests (also a dependency of torch; named so they never skip).
-  "test": ["pytest>=8", "ruff>=0.6", "torch==2.13.0", "transformers==5.24.0", "tokenizers>=0.22", "sympy>=1.12"],
+  # The run and sweep reports' plots (python -m mimo_jax.report, python -m mimo_jax.sweep).
+  "report": ["matplotlib==3.10.9"],
+  # Weights & Biases logging (--wandb_project); TensorBoard and the run directory's files stay the default.
+  "wandb": ["wandb==0.30.0"],
+  "test": [
+    "pytest>=8",
+    "ruff>=0.6",
+    "torch==2.13.0",
+    "transformers==5.24.0",
+    "tokenizers>=0.22",
+    "sympy>=1.12",
+    "matplotlib==3.10.9",
+    "selenium==4.50.0",
+    "wandb==0.30.0",  # the offline W&B test
+    "nbclient==0.11.0",  # executes notebooks/quickstart.ipynb
+    "nbformat==5.11.1",
+    "ipykernel==7.4.0",  # drives Debian's chromium for the report's browser test (make browser installs it)
+  ],
   "gpu": [f"jax[cuda12]=={JAX_VERSION}"],
   "tpu": [f"jax[tpu]=={JAX_VERSION}"],
 }

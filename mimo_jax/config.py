@@ -471,6 +471,14 @@ class LoggingConfig:
     "the largest KL go to RUN_DIR/samples.jsonl (and TensorBoard text); 0 turns it off.",
     ge=0,
   )
+  wandb_project: str = field(
+    "", "Also log the metrics, histograms and samples to this Weights & Biases project (empty: off; the wandb extra)."
+  )
+  wandb_mode: str = field(
+    "online",
+    "W&B mode: online, offline (written under RUN_DIR/wandb/ for a later `wandb sync`; no network) or disabled.",
+    choices=("online", "offline", "disabled"),
+  )
   # Failure-shape alarms (mimo_jax/train/alarms.py): what each detector fires on, and what a firing does.
   on_alarm: str = field(
     "log",
@@ -508,6 +516,15 @@ class LoggingConfig:
 
   def __post_init__(self):
     check_fields(self)
+    if self.wandb_project:
+      import importlib.util
+
+      check(
+        importlib.util.find_spec("wandb") is not None,
+        "wandb_project",
+        self.wandb_project,
+        "Weights & Biases is not installed: pip install 'mimo-jax[wandb]' (or leave --wandb_project empty)",
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -520,6 +537,12 @@ class RunConfig:
   )
   seed: int = field(0, "Random seed of the whole run.")
   max_steps: int = field(10, "RL steps.", ge=0)
+  stop_at_step: int = field(
+    0,
+    "Stop after this RL step as on SIGTERM (state saved; the same command without it goes on to --max_steps; "
+    "0: off). The sweep's short-run gate runs the first steps of a point this way.",
+    ge=0,
+  )
   sft_steps: int = field(0, "Supervised warm-start steps before RL.", ge=0)
   eval_every: int = field(0, "Evaluate every N steps (0: only at the start and end).", ge=0)
   eval_samples: int = field(8, "Samples per held-out prompt for pass@k (k = 1 and this number).", ge=1)
@@ -590,6 +613,8 @@ ADDED_SETTINGS = {
   "model": SHAPE_FLAGS,
   "logging": (
     "log_samples",
+    "wandb_project",
+    "wandb_mode",
     "on_alarm",
     "max_alarm_rollbacks",
     "alarm_window",
@@ -605,6 +630,7 @@ ADDED_SETTINGS = {
     "alarm_kl_factor",
   ),
   "checkpoint": ("keep_best",),
+  "run": ("stop_at_step",),
 }
 
 

@@ -320,19 +320,20 @@ def test_kill_9_at_progress_points_then_resume_is_bit_identical(tmp_path):
 
 def test_a_kill_between_a_save_and_its_log_line_loses_no_record(finished_run, tmp_path, capsys):
   """A step is saved before it is logged (its record holds the save's own time).  Killed in between, the
-  record and its samples are missing from the files; the checkpoint carries them, and the resume writes them."""
+  record, its samples and its histograms are missing from the files; the checkpoint carries them, and the
+  resume writes them."""
   rl = [r for r in _metrics(finished_run) if "reward_mean" in r]
   raw = [json.loads(line) for line in open(finished_run / "metrics.jsonl")]
   saved = {r["step"]: r["time_checkpoint_s"] for r in raw if "reward_mean" in r}
   # Every RL step but the last is saved at --checkpoint_every=1 (the last after the final evaluation).
   assert all(saved[s] > 0 for s in range(1, 6)) and saved[6] == 0.0 and [r["step"] for r in rl] == list(range(1, 7))
   run_dir = _copy(finished_run, tmp_path)
-  for name in ("metrics.jsonl", "samples.jsonl"):
+  for name in ("metrics.jsonl", "samples.jsonl", "histograms.jsonl"):
     lines = open(run_dir / name).readlines()
     with open(run_dir / name, "w") as f:
       f.writelines(line for line in lines if json.loads(line)["step"] < 3)
   assert main(["prog", *SMALL, f"--run_dir={run_dir}", "--rollback_to=3"]) == 0
   assert "rolled back to rl step 3" in capsys.readouterr().out
-  assert kill_resume.compare(str(finished_run), str(run_dir)) == []  # samples.jsonl included
+  assert kill_resume.compare(str(finished_run), str(run_dir)) == []  # samples and histograms included
   again = {r["step"]: r for r in (json.loads(line) for line in open(run_dir / "metrics.jsonl"))}
   assert again[3]["time_checkpoint_s"] is None and again[4]["time_checkpoint_s"] > 0

@@ -222,9 +222,10 @@ def load_metrics(run_dir: str) -> list[dict[str, Any]]:
   return records
 
 
-def load_samples(run_dir: str) -> list[dict[str, Any]]:
-  """The sample replay's rows (none when the run wrote no ``samples.jsonl``)."""
-  path = os.path.join(run_dir, "samples.jsonl")
+def load_samples(run_dir: str, name: str = "samples.jsonl") -> list[dict[str, Any]]:
+  """The sample replay's rows (none when the run wrote no ``samples.jsonl``); ``name``: another
+  JSON-lines file of the run (``histograms.jsonl``)."""
+  path = os.path.join(run_dir, name)
   if not os.path.exists(path):
     return []
   with open(path) as f:
@@ -262,6 +263,12 @@ def compare(ref_dir: str, other_dir: str) -> list[str]:
       {ra["step"] for ra, rb in zip(sa, sb, strict=False) if ra != rb}
     )
     problems.append(f"samples.jsonl differs ({len(sa)} vs {len(sb)} rows; steps {steps[:6]})")
+  ha, hb = load_samples(ref_dir, "histograms.jsonl"), load_samples(other_dir, "histograms.jsonl")
+  if ha != hb:
+    steps = sorted({r["step"] for r in ha} ^ {r["step"] for r in hb}) or sorted(
+      {ra["step"] for ra, rb in zip(ha, hb, strict=False) if ra != rb}
+    )
+    problems.append(f"histograms.jsonl differs ({len(ha)} vs {len(hb)} rows; steps {steps[:6]})")
   pa, pb = final_arrays(ref_dir), final_arrays(other_dir)
   if set(pa) != set(pb):
     problems.append("final checkpoints hold different arrays")

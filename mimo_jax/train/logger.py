@@ -57,15 +57,40 @@ def device_memory() -> dict[str, float]:
   return memory_metrics(stats)
 
 
+# The quantiles of each histogram kept in ``histograms.jsonl``: 0%, 5%, ..., 100% (each interval holds
+# a twentieth of the values; a point mass shows as equal neighbours), enough for the report's heatmaps.
+QUANTILES = tuple(i / 20 for i in range(21))
+
+
+def histogram_quantiles(values: Any) -> list[float] | None:
+  """The :data:`QUANTILES` of a histogram's finite values (6 significant digits; None when there are none)."""
+  x = np.asarray(values, np.float64).ravel()
+  x = x[np.isfinite(x)]
+  if x.size == 0:
+    return None
+  return [float(f"{q:.6g}") for q in np.quantile(x, QUANTILES)]
+
+
 class MetricsLogger:
   """Writes each step's metrics once: a JSON line, TensorBoard scalars/histograms.
+
+  ``metrics.jsonl`` holds the scalars, ``samples.jsonl`` the sample replay, ``histograms.jsonl`` each
+  histogram's quantiles (:func:`histogram_quantiles`; the run report draws them as heatmaps).
 
   Args:
     run_dir: the run directory (created).
     tensorboard: also write TensorBoard event files under ``run_dir/tensorboard``.
   """
 
-  def __init__(self, run_dir: str, *, tensorboard: bool = True, keep_through: int | None = None, write: bool = True):
+  def __init__(
+    self,
+    run_dir: str,
+    *,
+    tensorboard: bool = True,
+    keep_through: int | None = None,
+    write: bool = True,
+    wandb: Any = None,
+  ):
     """Args:
     run_dir: the run directory (created).
     tensorboard: also write TensorBoard event files.
@@ -74,17 +99,22 @@ class MetricsLogger:
       None starts a fresh log.
     write: False: format the records and write nothing (the processes of a multi-process
       run other than process 0, so each step is logged once).
+    wandb: a :class:`~mimo_jax.train.wandb_sink.WandbSink` that gets every record too (None: off);
+      kept across :meth:`truncate`, closed by :meth:`close`.
     """
     self.write = write
+    self._wandb = wandb if write else None
     if write:
       os.makedirs(run_dir, exist_ok=True)
     self.run_dir = run_dir
     self.path = os.path.join(run_dir, "metrics.jsonl")
     self.samples_path = os.path.join(run_dir, "samples.jsonl")
     self.alarms_path = os.path.join(run_dir, "alarms.jsonl")
+    self.histograms_path = os.path.join(run_dir, "histograms.jsonl")
     self._tensorboard = tensorboard
     self._file = None
     self._samples = None
+    self._histograms = None
     self._tb = None
     self._open(keep_through)
     # Alarms are history: a rollback keeps the alarm that caused it (truncate() leaves this file alone);
@@ -118,6 +148,7 @@ class MetricsLogger:
       return
     self._file, self.last_step = self._reopen(self.path, keep_through)
     self._samples, _ = self._reopen(self.samples_path, keep_through)
+    self._histograms, _ = self._reopen(self.histograms_path, keep_through)
     if self._tensorboard:
       from tensorboardX import SummaryWriter
 
@@ -126,7 +157,8 @@ class MetricsLogger:
       self._tb = SummaryWriter(os.path.join(self.run_dir, "tensorboard"), flush_secs=10, purge_step=purge)
 
   def truncate(self, keep_through: int) -> None:
-    """Drops metrics and samples after ``keep_through`` (used by a rollback) and continues appending."""
+    """Drops metrics, samples and histograms after ``keep_through`` (used by a rollback) and continues
+    appending."""
     self._close_logs()
     self._open(keep_through)
 
@@ -164,6 +196,10 @@ class MetricsLogger:
     self._file.write(json.dumps(record) + "\n")
     for row in samples:
       self._samples.write(json.dumps(row, allow_nan=False) + "\n")
+    if histograms:
+      self.write_quantiles(step, {k: histogram_quantiles(v) for k, v in histograms.items()})
+    if self._wandb is not None:
+      self._wandb.log(record, histograms, samples)
     if self._tb is not None:
       for k, v in record.items():
         if k != "step" and isinstance(v, (int, float)):
@@ -176,8 +212,13 @@ class MetricsLogger:
         self._tb.add_text("samples", samples_markdown(list(samples)), step)
     return record
 
+  def write_quantiles(self, step: int, quantiles: Mapping[str, list[float] | None]) -> None:
+    """Appends one ``histograms.jsonl`` row: each histogram's :func:`histogram_quantiles`."""
+    if self._histograms is not None and quantiles:
+      self._histograms.write(json.dumps({"step": int(step), **dict(sorted(quantiles.items()))}) + "\n")
+
   def _close_logs(self) -> None:
-    for name in ("_file", "_samples"):
+    for name in ("_file", "_samples", "_histograms"):
       if getattr(self, name) is not None:
         getattr(self, name).close()
         setattr(self, name, None)
@@ -187,6 +228,9 @@ class MetricsLogger:
 
   def close(self) -> None:
     self._close_logs()
+    if self._wandb is not None:
+      self._wandb.close()
+      self._wandb = None
     if self._alarms is not None:
       self._alarms.close()
       self._alarms = None

@@ -52,7 +52,7 @@ from mimo_jax.train.alarms import Alarms, alarm_settings
 from mimo_jax.train.async_rollout import AsyncRollout
 from mimo_jax.train.learner import Experience, LearnerState, build_learner, init_controller_state, uses_kl
 from mimo_jax.train.ledger import FlopCounter, Ledger
-from mimo_jax.train.logger import MetricsLogger, device_memory, format_progress
+from mimo_jax.train.logger import MetricsLogger, device_memory, format_progress, histogram_quantiles
 from mimo_jax.train.rollout_worker import RolloutWorker, digest
 from mimo_jax.train.samples import select_samples
 from mimo_jax.train.steps import SequenceBatch, make_sft_step
@@ -95,7 +95,7 @@ class Restored:
 
 
 class Preempted(Exception):
-  """Raised at a step boundary after SIGTERM, once the state is checkpointed."""
+  """Raised at a step boundary after SIGTERM (or at ``--stop_at_step``), once the state is checkpointed."""
 
 
 class RunAborted(RuntimeError):
@@ -551,13 +551,26 @@ class RLRun:
 
   def open_logger(self, restored: Restored | None) -> None:
     keep = None if restored is None else restored.meta["log_step"]
-    self.logger = self.dir.logger(tensorboard=self.cfg.logging.tensorboard, keep_through=keep)
+    sink = None
+    lg = self.cfg.logging
+    if lg.wandb_project and multihost.is_primary():
+      from mimo_jax.train.wandb_sink import open_wandb
+
+      sink = open_wandb(
+        self.run_dir,
+        project=lg.wandb_project,
+        mode=lg.wandb_mode,
+        config=self.cfg.to_dict(),
+        name=os.path.basename(os.path.normpath(self.run_dir)),
+      )
+    self.logger = self.dir.logger(tensorboard=lg.tensorboard, keep_through=keep, wandb=sink)
     pending = (restored.meta.get("log_record") if restored is not None else None) or {}
     if pending and self.logger.last_step < pending["record"]["step"]:
       # Killed after the save and before its step was logged: the checkpoint holds the record (the
       # save's own time is unknown there).
       record = {**pending["record"], "time_checkpoint_s": None}
       self.logger.write_record(record, None, pending["samples"])
+      self.logger.write_quantiles(record["step"], pending.get("histograms") or {})
 
   def request_preemption(self, *_):
     self.preempt_requested = True
@@ -887,7 +900,13 @@ def train(cfg: Config, *, rollout_factory=None) -> dict[str, Any]:
       try:
         return _train(run, restored, t_start)
       except Preempted as e:
-        print(f"preempted: state saved at {e}; rerun the same command to resume", flush=True)
+        if run.preempt_requested or not cfg.run.stop_at_step:
+          print(f"preempted: state saved at {e}; rerun the same command to resume", flush=True)
+        else:
+          print(
+            f"stopped at --stop_at_step={cfg.run.stop_at_step}: state saved at {e}; rerun without it to go on",
+            flush=True,
+          )
         return {"preempted": True, "run_dir": run_dir}
       finally:
         signal.signal(signal.SIGTERM, previous)
@@ -962,7 +981,7 @@ def _rl_phase(run: RLRun, state: LearnerState, step: int, warm: dict[str, float]
       bar.reset(total=cfg.run.max_steps)
       bar.update(step)
       continue
-    stop = run.should_stop()
+    stop = run.should_stop() or 0 < cfg.run.stop_at_step <= step
     # The last step is saved after the final evaluation. A step whose update was non-finite is
     # never saved: with --keep_last it would evict the last good checkpoint a rollback needs.
     saved = run.bad_steps == 0
@@ -970,7 +989,16 @@ def _rl_phase(run: RLRun, state: LearnerState, step: int, warm: dict[str, float]
       # Saved before the step is logged, so that its record holds the save's own time; the record and
       # its samples travel in the checkpoint (a resume writes them if a kill came in between).
       run.save(
-        "rl", step, state, step, warm, log_record={"record": run.logger.record(step, record), "samples": samples}
+        "rl",
+        step,
+        state,
+        step,
+        warm,
+        log_record={
+          "record": run.logger.record(step, record),
+          "samples": samples,
+          "histograms": {k: histogram_quantiles(v) for k, v in hist.items()},
+        },
       )
       record["time_checkpoint_s"] = run.last_checkpoint_s
     logged = run.logger.log(step, record, hist, samples)
@@ -1054,4 +1082,18 @@ def _finish(
     f"final {100 * final['greedy_accuracy']:.1f}% ({gain:+.1f} points)\nrun directory: {run.run_dir}",
     flush=True,
   )
+  if multihost.is_primary():
+    _write_report(run.run_dir)
   return summary
+
+
+def _write_report(run_dir: str) -> None:
+  """The run report (``RUN_DIR/report.html``); a report that cannot be drawn never fails the run."""
+  try:
+    from mimo_jax.report import write_run_report
+
+    print(f"report: {write_run_report(run_dir)}", flush=True)
+  except ImportError as e:
+    print(f"no report ({e}): pip install 'mimo-jax[report]', then python -m mimo_jax.report {run_dir}", flush=True)
+  except Exception as e:  # noqa: BLE001 - the run is complete and saved; the report is a view of it
+    print(f"warning: the report could not be written ({type(e).__name__}: {e}); the run is complete", flush=True)

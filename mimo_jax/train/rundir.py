@@ -19,6 +19,7 @@ from typing import Any
 from mimo_jax.ckpt import Checkpointer
 from mimo_jax.config import CONCERN_CLASSES
 from mimo_jax.config_base import ConfigError, coerce_value
+from mimo_jax.files import write_atomic
 from mimo_jax.train.logger import MetricsLogger
 
 LOCK_NAME = ".lock"
@@ -48,7 +49,11 @@ RUN_FILES = (
   "best",
   "metrics.jsonl",
   "samples.jsonl",
+  "histograms.jsonl",
   "alarms.jsonl",
+  "report.html",
+  "wandb",
+  "wandb_id",
   "summary.json",
   "tensorboard",
   "config.json",
@@ -159,14 +164,6 @@ def clear(run_dir: str) -> None:
       os.remove(path)
 
 
-def write_atomic(path: str, text: str) -> None:
-  """Replaces ``path`` with ``text`` in one step (a reader sees the old file or the new one)."""
-  tmp = f"{path}.tmp.{os.getpid()}"
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, path)
-
-
 class RunDir:
   """Every file of one run, owned in one place.
 
@@ -268,6 +265,7 @@ class RunDir:
     """The checkpoint with the best held-out metric so far (``best/``, ``--keep_best``)."""
     return Checkpointer(self.file(self.BEST), keep_last=1, async_save=False)
 
-  def logger(self, *, tensorboard: bool, keep_through: int | None) -> MetricsLogger:
-    """The metrics logger (``metrics.jsonl``, ``tensorboard/``), truncated past ``keep_through`` on a resume."""
-    return MetricsLogger(self.path, tensorboard=tensorboard, keep_through=keep_through, write=self.writer)
+  def logger(self, *, tensorboard: bool, keep_through: int | None, wandb: Any = None) -> MetricsLogger:
+    """The metrics logger (``metrics.jsonl``, ``tensorboard/``, and W&B when given), truncated past
+    ``keep_through`` on a resume."""
+    return MetricsLogger(self.path, tensorboard=tensorboard, keep_through=keep_through, write=self.writer, wandb=wandb)
