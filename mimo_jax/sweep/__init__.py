@@ -1,1 +1,2 @@
-"""Scaling studies: compute-to-performance fits (and, as they land, the sweep runner and its report)."""
+"""Scaling studies: the sweep runner (``python -m mimo_jax.sweep``), its short-run gate and coupling rules,
+the compute-to-performance fits, and the scaling report."""
