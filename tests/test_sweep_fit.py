@@ -39,3 +39,9 @@ def test_the_asymptote_is_capped_and_the_point_of_diminishing_returns_is_exact()
   assert diminishing_returns(exact, 0.5) == pytest.approx(exact.c_mid)
   with pytest.raises(ValueError, match="at least 3 points"):
     fit_sigmoid([1.0, 2.0], [0.1, 0.2], r0=0.0)
+
+
+def test_the_exponent_stays_inside_its_range():
+  # Three points that a step function fits best: the exponent runs to the top of its range, not past it.
+  fit = fit_sigmoid([1e11, 1e12, 1e13], [0.03, 0.09, 0.09], r0=0.03, b_range=(0.1, 20.0))
+  assert 0.1 <= fit.b <= 20.0

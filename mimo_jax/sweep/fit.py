@@ -88,7 +88,8 @@ def fit_sigmoid(
     sse = np.sum((y - gain[..., None] * g) ** 2, axis=-1)
     i, j = np.unravel_index(np.argmin(sse), sse.shape)
     step_b, step_m = (hi_b - lo_b) / (grid - 1), (hi_m - lo_m) / (grid - 1)
-    lo_b, hi_b = lb[i] - 2 * step_b, lb[i] + 2 * step_b
+    # The exponent's window stays inside b_range (a zoom at the edge would otherwise walk past it).
+    lo_b, hi_b = max(lb[i] - 2 * step_b, np.log(b_range[0])), min(lb[i] + 2 * step_b, np.log(b_range[1]))
     lo_m, hi_m = lm[j] - 2 * step_m, lm[j] + 2 * step_m
   b, m = float(np.exp(lb[i])), float(lm[j])
   return SigmoidFit(

@@ -74,7 +74,8 @@ def axis_groups(definition: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]
 
 def judge_axis(name: str, stats: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
   """A plain-language verdict for one axis from its points' final medians (in the axis's order), judged
-  against the seed spread (half the median min-max range across points; 2 points with a single seed)."""
+  against the seed spread (half the median min-max range across points; 2 points with a single seed): no
+  effect when the medians differ by less than one seed range."""
   known = [(p, s) for p, s in stats if s["final_median"] is not None]
   if len(known) < 2:
     return f"{name}: fewer than two finished points, nothing to compare yet."
@@ -85,7 +86,7 @@ def judge_axis(name: str, stats: Sequence[tuple[str, Mapping[str, Any]]]) -> str
   first, last = meds[0], meds[-1]
   desc = ", ".join(f"{p} {100 * m:.1f}%" for (p, _), m in zip(known, meds, strict=True))
   basis = f"(median final held-out {METRIC} over seeds: {desc}; noise +/-{100 * noise:.1f} points)"
-  if max(meds) - min(meds) <= noise:
+  if max(meds) - min(meds) <= 2 * noise:  # the points differ by less than one seed range
     return f"{name}: no effect beyond the seed spread {basis}."
   if last < first - noise and best != len(meds) - 1:
     return f"{name}: made things worse past {known[best][0]} {basis}."
