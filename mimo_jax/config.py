@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from typing import Any
 
@@ -23,6 +24,9 @@ from mimo_jax.rl.losses import AGGREGATIONS, POLICY_LOSSES
 from mimo_jax.sharding import MeshConfig, validate_model_on_mesh
 
 DTYPE_CHOICES = ("", "float32", "bfloat16", "float16")
+# The trainer's tasks (--task), and those that read prompt files (--data_path / --eval_data_path).
+TASK_NAMES = ("arith", "gsm8k", "humaneval", "jsonl")
+FILE_TASKS = ("gsm8k", "humaneval", "jsonl")
 SHAPE_FLAGS = ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
 
 
@@ -44,6 +48,40 @@ def parse_int_list(name: str, text: str) -> tuple[int, ...]:
     raise ConfigError(f"--{name}={text!r}: expected a comma-separated list of integers") from None
   check(len(values) > 0 and all(v > 0 for v in values), name, text, "expected positive integers")
   return values
+
+
+def parse_task_mix(text: str) -> tuple[tuple[str, float], ...]:
+  """Parses ``--task``: ``"arith"`` -> ``(("arith", 1.0),)``; ``"arith:0.5,gsm8k:0.5"`` -> two weighted tasks.
+
+  Raises:
+    ConfigError: naming ``--task``, for an unknown or repeated task, a weight that is not a finite
+      number > 0, or an empty entry.
+  """
+  allowed = f"allowed tasks: {', '.join(TASK_NAMES)}; a mixture is name:weight,name:weight"
+  if not isinstance(text, str) or not text.strip():
+    raise ConfigError(f"--task={text!r}: {allowed}")
+  out: list[tuple[str, float]] = []
+  for entry in text.split(","):
+    name, sep, weight_text = entry.strip().partition(":")
+    name = name.strip()
+    check(name in TASK_NAMES, "task", text, f"unknown task {name!r}; {allowed}")
+    check(name not in [n for n, _ in out], "task", text, f"{name!r} appears twice")
+    weight = 1.0
+    if sep:
+      try:
+        weight = float(weight_text)
+      except ValueError:
+        weight = float("nan")
+      check(math.isfinite(weight) and weight > 0, "task", text, f"the weight of {name!r} must be a finite number > 0")
+    out.append((name, weight))
+  return tuple(out)
+
+
+def format_task_mix(mix: tuple[tuple[str, float], ...]) -> str:
+  """The canonical ``--task`` text of a parsed mixture (a single task is its bare name)."""
+  if len(mix) == 1:
+    return mix[0][0]
+  return ",".join(f"{name}:{weight:.12g}" for name, weight in mix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,6 +386,7 @@ class OptimConfig:
     choices=("fixed", "lr_linked"),
   )
   sft_learning_rate: float = field(1e-3, "Peak learning rate of the supervised warm-start phase.", gt=0)
+  rm_learning_rate: float = field(1e-3, "--mode=reward_model: peak learning rate.", gt=0)
   master_dtype: str = field(
     "float32",
     "Dtype of the optimizer's master copy of the weights and of its moments. With bfloat16 parameters "
@@ -364,9 +403,18 @@ class OptimConfig:
 class DataConfig:
   """Prompt data."""
 
-  task: str = field("arith", "Prompt source.", choices=("arith", "gsm8k", "humaneval", "jsonl"))
-  data_path: str = field("", "Training prompts file (gsm8k/humaneval/jsonl); empty: the shipped sample.")
-  eval_data_path: str = field("", "Held-out prompts file (gsm8k/humaneval/jsonl); empty: the shipped sample.")
+  task: str = field(
+    "arith",
+    f"Prompt source: one of {', '.join(TASK_NAMES)}, or a weighted mixture such as arith:0.5,gsm8k:0.5 "
+    "(prompts stratified by task and difficulty level, rewards standardised per task before mixing, "
+    "held-out prompts split by weight and reported per task).",
+  )
+  data_path: str = field(
+    "", "Training prompts file (gsm8k/humaneval/jsonl; in a mixture, its one file task); empty: the shipped sample."
+  )
+  eval_data_path: str = field(
+    "", "Held-out prompts file (gsm8k/humaneval/jsonl; in a mixture, its one file task); empty: the shipped sample."
+  )
   tokenizer_path: str = field("", "Tokenizer (.model, tokenizer.json or an HF directory); empty: built-in.")
   prompts_per_step: int = field(8, "Prompts per training step (each sampled num_samples times).", ge=1)
   eval_prompts: int = field(64, "Held-out prompts per evaluation.", ge=0)
@@ -375,6 +423,14 @@ class DataConfig:
   )
   arith_reverse: bool = field(False, "Built-in arithmetic: answers written least-significant digit first.")
   sft_batch_size: int = field(32, "Demonstrations per supervised warm-start step.", ge=1)
+  rm_batch_size: int = field(32, "--mode=reward_model: preference pairs per step.", ge=1)
+  rm_pairs: str = field(
+    "",
+    "--mode=reward_model: a JSONL of preference pairs (prompt, chosen, rejected); empty: drawn from the task, "
+    "each gold completion against a copy with one digit of its final answer changed (both checked by the "
+    "task's verifier).",
+  )
+  rm_num_pairs: int = field(4096, "--mode=reward_model: pairs drawn from the task when --rm_pairs is empty.", ge=2)
   sft_wrong_fraction: float = field(
     0.0,
     "Fraction of carry problems whose warm-start demonstration shows the no-carry mistake (arith).",
@@ -397,12 +453,39 @@ class DataConfig:
     "determined code escapes it. Off: such a run is refused before any compute.",
   )
   reward_normalize: str = field(
-    "none", "Reward components: mixed raw, or standardised per task first.", choices=("none", "task_running")
+    "auto",
+    "Reward components: mixed raw (none), or standardised per task with running statistics first "
+    "(task_running); auto: task_running for a task mixture, none for one task.",
+    choices=("auto", "none", "task_running"),
   )
   format_reward_weight: float = field(0.0, "Weight of the math format component (0: logged only).", ge=0)
   reward_model: str = field("", "Reward-model run directory (rewards.reward_model) added as a reward component.")
   reward_model_weight: float = field(1.0, "Weight of the reward-model component.", ge=0)
   reward_hacking_probe: bool = field(False, "Code tasks: track completions a naive checker would pass (logged only).")
+  json_reward_weight: float = field(
+    0.0,
+    "Weight of a `json` component: 1 when the completion is (or has, in a ```json block) JSON matching "
+    "--json_schema; added when this is > 0 or --json_schema is set (0: logged only).",
+    ge=0,
+  )
+  json_schema: str = field(
+    "", "The `json` component's JSON Schema (a subset): inline JSON or a file; empty: any JSON value earns 1."
+  )
+  judge_checkpoint: str = field(
+    "",
+    "A model as judge (a `judge` component): a Hugging Face checkpoint directory (config, safetensors, "
+    "tokenizer) whose sampled verdicts score each completion (empty: off).",
+  )
+  judge_mode: str = field(
+    "score",
+    "score: the judge rates each answer 0-10 ('Score: N', averaged over --judge_samples); pairwise: it "
+    "compares the answer with the gold answer in both orders (position bias cancels).",
+    choices=("score", "pairwise"),
+  )
+  judge_weight: float = field(1.0, "Weight of the judge component.", ge=0)
+  judge_samples: int = field(4, "Judge outputs per completion (per order, pairwise).", ge=1)
+  judge_max_new_tokens: int = field(64, "Longest judge output, in tokens.", ge=1)
+  judge_temperature: float = field(1.0, "The judge's sampling temperature (0: greedy).", ge=0)
   curriculum: bool = field(False, "Prefer prompts whose pass rate is in --curriculum_band (from a larger pool).")
   curriculum_band: tuple[float, ...] = field(
     (0.4, 0.7), "Target pass-rate band of the curriculum (low,high).", items=float, length=2, ge=0, le=1
@@ -411,10 +494,38 @@ class DataConfig:
 
   def __post_init__(self):
     check_fields(self)
+    mix = parse_task_mix(self.task)
+    # One spelling per mixture (the run's identity compares it): "arith:1" is "arith".
+    object.__setattr__(self, "task", format_task_mix(mix))
+    files = [name for name, _ in mix if name in FILE_TASKS]
+    for name in ("data_path", "eval_data_path"):
+      check(
+        not getattr(self, name) or len(files) <= 1,
+        name,
+        getattr(self, name),
+        f"is ambiguous in a mixture of several file tasks ({', '.join(files)}); each uses its shipped sample",
+      )
     low, high = self.curriculum_band
     check(
       low < high, "curriculum_band", format_list(self.curriculum_band), "expected low,high with 0 <= low < high <= 1"
     )
+
+  @property
+  def task_mix(self) -> tuple[tuple[str, float], ...]:
+    """``((task, weight), ...)``: one entry for a single task; weights as given (not normalised)."""
+    return parse_task_mix(self.task)
+
+  @property
+  def is_mixture(self) -> bool:
+    """Whether ``--task`` names more than one task."""
+    return len(self.task_mix) > 1
+
+  @property
+  def reward_normalization(self) -> str:
+    """``--reward_normalize`` resolved: ``auto`` is ``task_running`` for a mixture, ``none`` otherwise."""
+    if self.reward_normalize == "auto":
+      return "task_running" if self.is_mixture else "none"
+    return self.reward_normalize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -533,7 +644,11 @@ class RunConfig:
 
   experiment: str = field("default", "Experiment name (used in the run directory).")
   mode: str = field(
-    "train", "What to run: train (SFT warm-start + RL) or smoke (a forward pass).", choices=("train", "smoke")
+    "train",
+    "What to run: train (SFT warm-start + RL), reward_model (Bradley-Terry reward-model training into "
+    "RUN_DIR/reward_model/, for --reward_model of a later run with the same task and tokenizer flags) or "
+    "smoke (a forward pass).",
+    choices=("train", "reward_model", "smoke"),
   )
   seed: int = field(0, "Random seed of the whole run.")
   max_steps: int = field(10, "RL steps.", ge=0)
@@ -544,6 +659,13 @@ class RunConfig:
     ge=0,
   )
   sft_steps: int = field(0, "Supervised warm-start steps before RL.", ge=0)
+  sft_curriculum_steps: int = field(
+    0,
+    "The first N supervised steps draw only the easiest --arith_levels (the digit alignment is learned on "
+    "short operands first); 0: every step draws all levels.",
+    ge=0,
+  )
+  rm_steps: int = field(200, "--mode=reward_model: optimizer steps.", ge=1)
   eval_every: int = field(0, "Evaluate every N steps (0: only at the start and end).", ge=0)
   eval_samples: int = field(8, "Samples per held-out prompt for pass@k (k = 1 and this number).", ge=1)
   eval_temperature: float = field(1.0, "Sampling temperature of the pass@k evaluation.", gt=0)
@@ -630,7 +752,21 @@ ADDED_SETTINGS = {
     "alarm_kl_factor",
   ),
   "checkpoint": ("keep_best",),
-  "run": ("stop_at_step",),
+  "run": ("stop_at_step", "rm_steps", "sft_curriculum_steps"),
+  "optim": ("rm_learning_rate",),
+  "data": (
+    "rm_batch_size",
+    "rm_pairs",
+    "rm_num_pairs",
+    "json_reward_weight",
+    "json_schema",
+    "judge_checkpoint",
+    "judge_mode",
+    "judge_weight",
+    "judge_samples",
+    "judge_max_new_tokens",
+    "judge_temperature",
+  ),
 }
 
 
@@ -650,12 +786,13 @@ def validate(cfg: Config, num_devices: int) -> None:
       r.async_rollout,
       f"is not supported with --num_processes={cfg.mesh.num_processes} yet; use synchronous rollout",
     )
-    check(
-      not cfg.data.reward_model,
-      "reward_model",
-      cfg.data.reward_model,
-      f"is not supported with --num_processes={cfg.mesh.num_processes} yet",
-    )
+    for name in ("reward_model", "judge_checkpoint"):
+      check(
+        not getattr(cfg.data, name),
+        name,
+        getattr(cfg.data, name),
+        f"is not supported with --num_processes={cfg.mesh.num_processes} yet",
+      )
   if r.rollout_devices:
     check(
       r.rollout_devices < num_devices,
@@ -680,6 +817,19 @@ def validate(cfg: Config, num_devices: int) -> None:
       "keep_best",
       cfg.checkpoint.keep_best,
       f"the run evaluates k in {list(ks)} (from --eval_samples={cfg.run.eval_samples})",
+    )
+  if cfg.run.sft_curriculum_steps:
+    check(
+      cfg.data.task == "arith" and len(cfg.data.arith_levels) > 1,
+      "sft_curriculum_steps",
+      cfg.run.sft_curriculum_steps,
+      "needs --task=arith with more than one --arith_levels (it starts on the easiest level)",
+    )
+    check(
+      cfg.run.sft_curriculum_steps < cfg.run.sft_steps,
+      "sft_curriculum_steps",
+      cfg.run.sft_curriculum_steps,
+      f"must be fewer than --sft_steps={cfg.run.sft_steps}",
     )
   check(
     cfg.algo.advantage not in ADVANTAGE_ESTIMATORS or cfg.rollout.num_samples >= 2,

@@ -253,11 +253,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         jax.config.update("jax_num_cpu_devices", topo.devices)  # the node's GPUs, stood in for by CPU devices
       num_devices = topo.devices
     validate(cfg, num_devices)
+    from mimo_jax.rewards.task_rewards import check_reward_flags
+
+    check_reward_flags(cfg.data)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if cfg.run.mode == "smoke":
     run_smoke(cfg)
+    return 0
+  if cfg.run.mode == "reward_model":
+    from mimo_jax.train.loop import resolve_run_dir
+    from mimo_jax.train_rm import run_reward_model
+
+    try:
+      run_reward_model(cfg, resolve_run_dir(cfg))
+    except ConfigError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
     return 0
   if cfg.run.dry_run:
     from mimo_jax.train.dry_run import dry_run

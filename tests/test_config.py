@@ -478,3 +478,18 @@ def test_the_settings_added_later_are_real_fields_whose_defaults_keep_the_old_be
   # The defaults that keep an older run's behaviour: the preset's shape, no best copy, alarms that only log.
   assert all(getattr(defaults.model, n) == 0 for n in SHAPE_FLAGS)
   assert defaults.checkpoint.keep_best == "" and defaults.logging.on_alarm == "log"
+
+
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    (["--task=gsm8k", "--prompt_buckets=96"], "needs --task=arith with more than one --arith_levels"),
+    (["--arith_levels=2"], "needs --task=arith with more than one --arith_levels"),
+    (["--sft_steps=100"], "must be fewer than --sft_steps=100"),
+  ],
+)
+def test_sft_curriculum_steps_is_checked_against_the_task(flags, message):
+  path = os.path.join(ROOT, "experiments", "grpo_tiny.flags")
+  cfg = parse_config(["prog", f"--flagfile={path}", "--sft_curriculum_steps=100", *flags])
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    validate(cfg, jax.device_count())

@@ -342,3 +342,15 @@ def test_tokenizer_corpus_covers_alphabet(tok_task: ArithTask) -> None:
 def test_build_tokenizer_rejects_tiny_vocab(tok_task: ArithTask) -> None:
   with pytest.raises(ValueError):
     build_tokenizer(tok_task, vocab_size=8)
+
+
+def test_sample_can_draw_from_some_levels_only_without_changing_the_default_stream():
+  task = ArithTask(levels=(1, 2), seed=3, heldout_size=16)
+  default = task.sample(np.random.default_rng(5), 64)
+  assert task.sample(np.random.default_rng(5), 64, levels=(1, 2)) == default
+  easy = task.sample(np.random.default_rng(5), 64, levels=(1,))
+  assert {p.level for p in easy} == {1} and {p.level for p in default} == {1, 2}
+  examples = task.sft_examples(np.random.default_rng(5), 32, levels=(1,))
+  assert all(len(prompt) <= arith.LEVELS[1].max_prompt_len for prompt, _ in examples)
+  with pytest.raises(ValueError, match="subset"):
+    task.sample(np.random.default_rng(5), 4, levels=(3,))

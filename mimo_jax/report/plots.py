@@ -73,7 +73,7 @@ def lines(
     ax.axvline(x, color=colour, lw=1.0, ls=":", label=label if label not in ax.get_legend_handles_labels()[1] else None)
   if logx:
     ax.set_xscale("log")
-  if logy:
+  if logy and any(np.any(np.asarray(y) > 0) for _, y in data.values()):  # a log axis needs a positive value
     ax.set_yscale("log")
   ax.set_title(title, fontsize=10)
   ax.set_xlabel(xlabel, fontsize=9)

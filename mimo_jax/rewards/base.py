@@ -1073,12 +1073,18 @@ class CompositeReward:
 
     Format: ``{"version": 1, "normalize": ..., "ema": ..., "stats": {task: {component:
     {"mean": float, "var": float, "updates": int}}}}``.  Empty ``stats`` with
-    ``normalize="none"`` or before the first batch.
+    ``normalize="none"`` or before the first batch.  Batched sources with a ``state_dict`` of their
+    own (a judge's key stream) add ``"sources": {name: state}``.
     """
     stats: dict[str, dict[str, dict[str, Any]]] = {}
     for (task, name), m in sorted(self._stats.items()):
       stats.setdefault(task, {})[name] = {"mean": m.mean, "var": m.var, "updates": m.updates}
-    return {"version": _STATE_VERSION, "normalize": self.normalize, "ema": self.ema, "stats": stats}
+    out = {"version": _STATE_VERSION, "normalize": self.normalize, "ema": self.ema, "stats": stats}
+    # Batched sources that keep state of their own (a judge's sampling key stream).
+    sources = {s.name: s.fn.state_dict() for s in self.sources if s.batched and hasattr(s.fn, "state_dict")}
+    if sources:
+      out["sources"] = sources
+    return out
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
     """Replaces the running statistics with those of :meth:`state_dict`.
@@ -1126,4 +1132,10 @@ class CompositeReward:
             f"reward normaliser {where} must have a finite mean, a finite var >= 0 and updates >= 1, got {dict(entry)!r}"
           )
         loaded[(task, name)] = _Moments(float(mean), float(var), int(updates))
+    sources = state.get("sources", {})
+    if not isinstance(sources, Mapping):
+      raise ValueError(f"reward normaliser state['sources'] must be a dict, got {type(sources).__name__}")
     self._stats = loaded
+    for src in self.sources:
+      if src.name in sources and hasattr(src.fn, "load_state_dict"):
+        src.fn.load_state_dict(sources[src.name])

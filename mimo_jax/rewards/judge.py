@@ -47,6 +47,7 @@ __all__ = [
   "SamplerGenerateFn",
   "parse_score",
   "parse_verdict",
+  "load_judge",
   "sampler_generate_fn",
 ]
 
@@ -267,6 +268,15 @@ class JudgeReward:
     """Counts and rates of the last call (empty before the first)."""
     return dict(self._last)
 
+  _COUNTERS = ("num_invalid", "num_all_invalid", "num_outputs", "num_scored")
+
+  def state_dict(self) -> dict[str, Any]:
+    """Counters and, when the generator keeps one (a sampler's key stream), its state."""
+    return _judge_state(self)
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    _load_judge_state(self, state)
+
 
 # ----------------------------------------------------------------------------
 # Pairwise
@@ -384,6 +394,29 @@ class PairwiseJudge:
     """Counts and rates of the last call (empty before the first)."""
     return dict(self._last)
 
+  _COUNTERS = ("num_invalid", "num_order_invalid", "num_outputs")
+
+  def state_dict(self) -> dict[str, Any]:
+    """Counters and, when the generator keeps one (a sampler's key stream), its state."""
+    return _judge_state(self)
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    _load_judge_state(self, state)
+
+
+def _judge_state(judge: Any) -> dict[str, Any]:
+  state: dict[str, Any] = {name: getattr(judge, name) for name in judge._COUNTERS}
+  if hasattr(judge.generate_fn, "state_dict"):
+    state["generator"] = judge.generate_fn.state_dict()
+  return state
+
+
+def _load_judge_state(judge: Any, state: dict[str, Any]) -> None:
+  for name in judge._COUNTERS:
+    setattr(judge, name, int(state.get(name, 0)))
+  if "generator" in state and hasattr(judge.generate_fn, "load_state_dict"):
+    judge.generate_fn.load_state_dict(state["generator"])
+
 
 # ----------------------------------------------------------------------------
 # The repository's sampler as a judge
@@ -428,6 +461,17 @@ class SamplerGenerateFn:
       top_k=top_k, top_p=top_p, stop_ids=stops, pad_id=tokenizer.pad_id, vocab_limit=tokenizer.vocab_size
     )
     self.num_rows = num_rows
+
+  def state_dict(self) -> dict[str, Any]:
+    """The key stream's position (the next call's key and the call count), for checkpoints: a resumed run's
+    judge samples exactly what an uninterrupted one would."""
+    return {"key": np.asarray(jax.random.key_data(self.key)).tolist(), "num_calls": self.num_calls}
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    """Restores :meth:`state_dict`'s key and call count."""
+    data = np.asarray(state["key"], np.uint32)
+    self.key = jax.random.wrap_key_data(data.reshape(np.shape(jax.random.key_data(self.key))))
+    self.num_calls = int(state["num_calls"])
 
   def _rows(self, n: int, num_samples: int) -> int:
     """Prompt rows per device call: ``num_rows`` if set, else a power of two >= n; rounded up so that
@@ -522,3 +566,49 @@ def sampler_generate_fn(
     top_p=top_p,
     num_rows=num_rows,
   )
+
+
+def load_judge(
+  checkpoint: str,
+  *,
+  mode: str,
+  num_samples: int,
+  max_new_tokens: int,
+  temperature: float,
+  key: jax.Array,
+  mesh: Any = None,
+) -> JudgeReward | PairwiseJudge:
+  """A judge model from a Hugging Face checkpoint directory (``--judge_checkpoint``), sampled with the
+  repository's own :class:`~mimo_jax.rollout.Sampler` on ``mesh``.
+
+  ``mode="score"`` gives a :class:`JudgeReward`; ``"pairwise"`` a :class:`PairwiseJudge` comparing each
+  completion with the problem's gold answer (``row["answer"]``).  Judge prompts are left-padded to
+  powers of two up to what the judge's context leaves after ``max_new_tokens`` (longer prompts keep
+  their last tokens, where the question to the judge ends).
+  """
+  from mimo_jax.models import load_hf
+  from mimo_jax.rollout.sampler import Sampler
+  from mimo_jax.tokenization import load_tokenizer
+
+  tokenizer = load_tokenizer(checkpoint)
+  model = load_hf(checkpoint, mesh=mesh)
+  room = model.config.max_seq_len - max_new_tokens
+  if room < 16:
+    raise ValueError(
+      f"{checkpoint}: the judge's context ({model.config.max_seq_len}) leaves no room for prompts after "
+      f"{max_new_tokens} new tokens"
+    )
+  buckets = [b for b in (64, 128, 256, 512, 1024, 2048) if b <= room] or [room]
+  generate_fn = sampler_generate_fn(
+    Sampler(model, mesh=mesh),
+    tokenizer,
+    buckets=buckets,
+    max_new_tokens=max_new_tokens,
+    temperature=temperature,
+    key=key,
+  )
+  if mode == "pairwise":
+    return PairwiseJudge(generate_fn, num_samples=num_samples, reference_field="answer")
+  if mode != "score":
+    raise ValueError(f"judge mode must be 'score' or 'pairwise', got {mode!r}")
+  return JudgeReward(generate_fn, num_samples=num_samples)

@@ -405,7 +405,7 @@ class ArithTask:
 
   # ---- training data ---------------------------------------------------------------
 
-  def sample(self, rng: np.random.Generator, n: int) -> list[Problem]:
+  def sample(self, rng: np.random.Generator, n: int, *, levels: Sequence[int] | None = None) -> list[Problem]:
     """Draws ``n`` training problems, never one whose prompt is held out.
 
     Each problem's level is drawn uniformly from ``levels``; a held-out draw is
@@ -415,18 +415,22 @@ class ArithTask:
     Args:
       rng: the numpy generator to draw from (advanced in place).
       n: number of problems.
+      levels: draw from these of the task's levels only (default: all of them).
 
     Returns:
       ``n`` problems (repeats are possible: they are independent draws).
 
     Raises:
-      ValueError: if ``n`` is negative.
+      ValueError: if ``n`` is negative, or ``levels`` names a level the task does not have.
     """
     n = operator.index(n)
     if n < 0:
       raise ValueError(f"n must be non-negative, got {n}")
+    allowed = self.levels if levels is None else tuple(levels)
+    if not allowed or not set(allowed) <= set(self.levels):
+      raise ValueError(f"levels {list(allowed)} must be a non-empty subset of the task's levels {list(self.levels)}")
     out: list[Problem | None] = [None] * n
-    level_idx = rng.integers(len(self.levels), size=n)
+    level_idx = np.asarray([self.levels.index(allowed[c]) for c in rng.integers(len(allowed), size=n)], np.int64)
     pending = np.arange(n)
     for _ in range(_MAX_ROUNDS):
       if pending.size == 0:
@@ -451,7 +455,12 @@ class ArithTask:
     return out  # type: ignore[return-value]  # every slot is filled once pending is empty
 
   def sft_examples(
-    self, rng: np.random.Generator, n: int, *, wrong_carry_fraction: float | None = None
+    self,
+    rng: np.random.Generator,
+    n: int,
+    *,
+    wrong_carry_fraction: float | None = None,
+    levels: Sequence[int] | None = None,
   ) -> list[tuple[str, str]]:
     """Draws ``n`` supervised demonstrations, some of them deliberately wrong.
 
@@ -466,6 +475,7 @@ class ArithTask:
       wrong_carry_fraction: probability in ``[0, 1]`` that a carry problem's (default: the
         task's ``sft_wrong_carry_fraction``)
         demonstration is wrong.
+      levels: draw the problems from these levels only (default: all; see :meth:`sample`).
 
     Returns:
       ``(prompt, completion)`` pairs; completions carry no EOS, the caller appends it.
@@ -478,7 +488,7 @@ class ArithTask:
     fraction = float(wrong_carry_fraction)
     if not 0.0 <= fraction <= 1.0:
       raise ValueError(f"wrong_carry_fraction must be in [0, 1], got {wrong_carry_fraction}")
-    problems = self.sample(rng, n)
+    problems = self.sample(rng, n, levels=levels)
     # One uniform per problem, carry or not, so which problems turn wrong does not
     # change the stream consumed for the others.  rng.random() is in [0, 1): fraction 0
     # never and fraction 1 always makes a carry problem wrong.

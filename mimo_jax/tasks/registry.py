@@ -22,6 +22,7 @@ from mimo_jax.tasks.arith import ArithTask, build_tokenizer
 from mimo_jax.tasks.gsm8k import GSM8KTask
 from mimo_jax.tasks.humaneval import HumanEvalTask
 from mimo_jax.tasks.jsonl import JsonlTask, parse_field_map
+from mimo_jax.tasks.mixture import MixtureTask
 from mimo_jax.tasks.splits import MalformedCount, describe_kinds
 from mimo_jax.tasks.tfds_sources import load_prompt_source
 from mimo_jax.tokenization import Tokenizer, load_tokenizer, train_sentencepiece
@@ -39,8 +40,9 @@ TASK_CLASSES: dict[str, type] = {"arith": ArithTask, "gsm8k": GSM8KTask, "humane
 
 
 def runs_untrusted_code(cfg: DataConfig) -> bool:
-  """Whether ``cfg.task``'s verifier executes model-written code (its class's ``runs_untrusted_code``)."""
-  return bool(getattr(TASK_CLASSES.get(cfg.task), "runs_untrusted_code", False))
+  """Whether a verifier of ``cfg.task`` (any task of a mixture) executes model-written code (its class's
+  ``runs_untrusted_code``)."""
+  return any(getattr(TASK_CLASSES.get(name), "runs_untrusted_code", False) for name, _ in cfg.task_mix)
 
 
 def check_sandbox(cfg: DataConfig) -> dict[str, Any] | None:
@@ -62,7 +64,7 @@ def check_sandbox(cfg: DataConfig) -> dict[str, Any] | None:
 
 
 def build_task(cfg: DataConfig, *, seed: int, hf_checkpoint: str = "") -> tuple[Any, Tokenizer]:
-  """Returns ``(task, tokenizer)`` for ``cfg.task``.
+  """Returns ``(task, tokenizer)`` for ``cfg.task``: one task, or a :class:`MixtureTask` of several.
 
   Args:
     cfg: the data config.
@@ -79,35 +81,47 @@ def build_task(cfg: DataConfig, *, seed: int, hf_checkpoint: str = "") -> tuple[
   # Before anything is loaded or trained (tokenizers): every path that builds a task (trainer,
   # evaluator, dry run) refuses to run untrusted code without kernel isolation here.
   check_sandbox(cfg)
-  if cfg.task == "arith":
-    task = ArithTask(
+  mix = cfg.task_mix
+  if len(mix) == 1:
+    task = _build_one(cfg, mix[0][0])
+    return task, _tokenizer(cfg, hf_checkpoint) or _default_tokenizer(task)
+  task = MixtureTask(
+    [(_build_one(cfg, name), weight) for name, weight in mix],
+    levels={"arith": cfg.arith_levels},
+    heldout_size=max(cfg.eval_prompts, 1),
+  )
+  # One vocabulary for every task of the mixture, fitted to all their training texts (byte fallback:
+  # code and free text have characters a small vocabulary may lack).
+  tokenizer = _tokenizer(cfg, hf_checkpoint) or train_sentencepiece(
+    task.tokenizer_corpus(), vocab_size=TEXT_VOCAB, byte_fallback=True
+  )
+  return task, tokenizer
+
+
+def _build_one(cfg: DataConfig, name: str) -> Any:
+  """The task ``name`` (``--data_path``/``--eval_data_path`` go to the file task; in a mixture there is at most one)."""
+  if name == "arith":
+    return ArithTask(
       levels=cfg.arith_levels,
       seed=HELDOUT_SEED,
       heldout_size=max(cfg.eval_prompts, 1),
       reverse_answer=cfg.arith_reverse,
       sft_wrong_carry_fraction=cfg.sft_wrong_fraction,
     )
-    return task, _tokenizer(cfg, hf_checkpoint) or build_tokenizer(task)
-  for name in ("data_path", "eval_data_path"):
-    path = getattr(cfg, name)
+  for path_flag in ("data_path", "eval_data_path"):
+    path = getattr(cfg, path_flag)
     if path and not os.path.isfile(path):
-      raise ConfigError(f"--{name}={path!r}: no such file")
-  if cfg.task == "jsonl":
-    return _jsonl_task(cfg, hf_checkpoint)
-  if cfg.task == "gsm8k":
+      raise ConfigError(f"--{path_flag}={path!r}: no such file")
+  if name == "jsonl":
+    return _jsonl_task(cfg)
+  if name == "gsm8k":
     try:
-      task = GSM8KTask(cfg.data_path or None, cfg.eval_data_path or None, loader=_tfds_loader(cfg, gsm8k))
+      return GSM8KTask(cfg.data_path or None, cfg.eval_data_path or None, loader=_tfds_loader(cfg, gsm8k))
     except ValueError as e:
       raise ConfigError(f"--data_path/--eval_data_path: {e}") from None
-    tokenizer = _tokenizer(cfg, hf_checkpoint)
-    if tokenizer is None:
-      # Small-scale runs without a pretrained tokenizer: an exact-round-trip model trained
-      # on the training split only (held-out text never reaches it).
-      tokenizer = train_sentencepiece(task.tokenizer_corpus(), vocab_size=TEXT_VOCAB)
-    return task, tokenizer
-  if cfg.task == "humaneval":
+  if name == "humaneval":
     try:
-      task = HumanEvalTask(
+      return HumanEvalTask(
         cfg.data_path or None,
         cfg.eval_data_path or None,
         timeout_s=cfg.reward_timeout_s,
@@ -117,12 +131,21 @@ def build_task(cfg: DataConfig, *, seed: int, hf_checkpoint: str = "") -> tuple[
       )
     except ValueError as e:
       raise ConfigError(f"--data_path/--eval_data_path: {e}") from None
-    tokenizer = _tokenizer(cfg, hf_checkpoint)
-    if tokenizer is None:
-      # Byte fallback: code has characters a small vocabulary fitted to 40 problems lacks.
-      tokenizer = train_sentencepiece(task.tokenizer_corpus(), vocab_size=CODE_VOCAB, byte_fallback=True)
-    return task, tokenizer
-  raise ConfigError(f"--task={cfg.task!r} has no trainer task yet; available: 'arith', 'gsm8k', 'humaneval', 'jsonl'")
+  raise ConfigError(f"--task={name!r} has no trainer task yet; available: {', '.join(TASK_CLASSES)}")
+
+
+def _default_tokenizer(task: Any) -> Tokenizer:
+  """A single task's built-in tokenizer, when neither ``--tokenizer_path`` nor a checkpoint gives one."""
+  if task.name == "arith":
+    return build_tokenizer(task)
+  if task.name == "gsm8k":
+    # Small-scale runs without a pretrained tokenizer: an exact-round-trip model trained
+    # on the training split only (held-out text never reaches it).
+    return train_sentencepiece(task.tokenizer_corpus(), vocab_size=TEXT_VOCAB)
+  if task.name == "humaneval":
+    # Byte fallback: code has characters a small vocabulary fitted to 40 problems lacks.
+    return train_sentencepiece(task.tokenizer_corpus(), vocab_size=CODE_VOCAB, byte_fallback=True)
+  return train_sentencepiece(task.tokenizer_corpus(), vocab_size=TEXT_VOCAB, byte_fallback=True)
 
 
 def _tfds_dir(cfg: DataConfig) -> str:
@@ -165,7 +188,7 @@ def _tfds_loader(cfg: DataConfig, module: Any):
   return load
 
 
-def _jsonl_task(cfg: DataConfig, hf_checkpoint: str) -> tuple[Any, Tokenizer]:
+def _jsonl_task(cfg: DataConfig) -> JsonlTask:
   """Any JSONL of prompts with answers, through the TFDS ``jsonl`` builder and ``--jsonl_fields``."""
   if not cfg.data_path or not cfg.eval_data_path:
     raise ConfigError("--task=jsonl needs --data_path and --eval_data_path (JSONL files)")
@@ -178,13 +201,9 @@ def _jsonl_task(cfg: DataConfig, hf_checkpoint: str) -> tuple[Any, Tokenizer]:
       load_prompt_source("jsonl", path, _tfds_dir(cfg), split=split, field_map=field_map)
       for path, split in ((cfg.data_path, "train"), (cfg.eval_data_path, "test"))
     ]
-    task = JsonlTask(list(sources[0]), list(sources[1]), train_path=cfg.data_path, test_path=cfg.eval_data_path)
+    return JsonlTask(list(sources[0]), list(sources[1]), train_path=cfg.data_path, test_path=cfg.eval_data_path)
   except ValueError as e:
     raise ConfigError(f"--data_path/--eval_data_path: {e}") from None
-  tokenizer = _tokenizer(cfg, hf_checkpoint)
-  if tokenizer is None:
-    tokenizer = train_sentencepiece(task.tokenizer_corpus(), vocab_size=TEXT_VOCAB, byte_fallback=True)
-  return task, tokenizer
 
 
 def _tokenizer(cfg: DataConfig, hf_checkpoint: str) -> Tokenizer | None:

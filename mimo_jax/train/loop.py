@@ -43,7 +43,7 @@ from mimo_jax.optim import (
 )
 from mimo_jax.provenance import provenance
 from mimo_jax.rewards.base import RewardSource
-from mimo_jax.rewards.task_rewards import build_task_reward
+from mimo_jax.rewards.task_rewards import build_task_reward, check_reward_flags, load_json_schema
 from mimo_jax.rollout import FINISH_LENGTH, Sampler
 from mimo_jax.rollout.encoding import encode_prompts, encode_targets
 from mimo_jax.tasks.registry import build_task, check_sandbox
@@ -64,6 +64,18 @@ PROGRESS_KEYS = ("reward_mean", "accuracy", "kl_k3", "entropy", "clipfrac", "gra
 def _device_copy(params: Any) -> Any:
   """The rollout side's own copy of published weights (the learner donates its buffers into the next step)."""
   return jax.tree.map(jnp.copy, params)
+
+
+def task_metrics(problems: list[Any], rewards: Any, group_size: int) -> dict[str, float]:
+  """A mixture's batch per task: ``task/<name>/share`` (of the prompts), ``/reward_mean`` (raw), ``/accuracy``."""
+  names = np.repeat(np.array([p.task for p in problems], dtype=object), group_size)
+  out = {}
+  for name in dict.fromkeys(names.tolist()):
+    rows = names == name
+    out[f"task/{name}/share"] = float(rows.mean())
+    out[f"task/{name}/reward_mean"] = float(rewards.logged[rows].mean())
+    out[f"task/{name}/accuracy"] = float(rewards.correct[rows].mean())
+  return out
 
 
 def resolve_run_dir(cfg: Config) -> str:
@@ -124,12 +136,15 @@ class RLRun:
     # One global mesh; with --rollout_devices its first K devices form the rollout sub-mesh and the
     # learner's mesh (the mesh flags) spans the rest.
     self.mesh, self.rollout_mesh = sharding.run_meshes(cfg.mesh, cfg.rollout.rollout_devices)
+    check_reward_flags(cfg.data)
     self.task, self.tokenizer = build_task(cfg.data, seed=cfg.run.seed, hf_checkpoint=cfg.model.hf_checkpoint)
     # The isolation untrusted code runs under (build_task enforced the policy; None: the task runs no
     # code), recorded in config.json and summary.json.
     self.sandbox = check_sandbox(cfg.data)
     self.buckets = cfg.rollout.buckets
     loop_key, init_key, self._sft_key, self._rl_key = jax.random.split(jax.random.key(cfg.run.seed), 4)
+    # The judge's own sampling stream (a separate derivation, so the four keys above are unchanged).
+    judge_key = jax.random.fold_in(jax.random.key(cfg.run.seed), 0x4A554447)
     if cfg.model.hf_checkpoint:
       overrides = {"remat": cfg.model.remat} if cfg.model.remat else {}
       model = load_hf(
@@ -156,7 +171,12 @@ class RLRun:
     if d.reward_model:
       from mimo_jax.rewards.reward_model import RewardModelScorer, load_reward_model
 
-      rm_graphdef, rm_params, _ = load_reward_model(d.reward_model, self.mesh)
+      rm_graphdef, rm_params, rm_cfg = load_reward_model(d.reward_model, self.mesh)
+      if rm_cfg.vocab_size < self.tokenizer.vocab_size:
+        raise ConfigError(
+          f"--reward_model={d.reward_model}: its vocabulary ({rm_cfg.vocab_size}) is smaller than this run's "
+          f"tokenizer ({self.tokenizer.vocab_size}); train it with this run's task and tokenizer flags"
+        )
       scorer = RewardModelScorer(
         rm_graphdef,
         rm_params,
@@ -167,14 +187,30 @@ class RLRun:
         batch_rows=cfg.data.prompts_per_step * cfg.rollout.num_samples,
       )
       extra_sources.append(RewardSource("reward_model", scorer, weight=d.reward_model_weight, batched=True))
+    if d.judge_checkpoint:
+      from mimo_jax.rewards.judge import load_judge
+
+      judge = load_judge(
+        d.judge_checkpoint,
+        mode=d.judge_mode,
+        num_samples=d.judge_samples,
+        max_new_tokens=d.judge_max_new_tokens,
+        temperature=d.judge_temperature,
+        key=judge_key,
+        mesh=self.mesh,
+      )
+      extra_sources.append(RewardSource("judge", judge, weight=d.judge_weight, batched=True))
+    json_on = d.json_reward_weight > 0 or bool(d.json_schema)
     rewarder = build_task_reward(
       self.task,
       extra_sources=extra_sources,
       workers=d.reward_workers,
       timeout_s=d.reward_timeout_s,
-      normalize=d.reward_normalize,
+      normalize=d.reward_normalization,
       format_weight=d.format_reward_weight,
       hacking_probe=d.reward_hacking_probe,
+      json_weight=d.json_reward_weight if json_on else None,
+      json_schema=load_json_schema(d.json_schema),
     )
     self.heldout = self.task.heldout()[: cfg.data.eval_prompts]
     factory = rollout_factory or (lambda model, mesh: Sampler(model, mesh=mesh))
@@ -600,8 +636,10 @@ class RLRun:
     bar = tqdm.trange(
       start, n, desc="sft", leave=False, mininterval=1.0, initial=start, total=n, disable=not multihost.is_primary()
     )
+    easiest = {"levels": (min(cfg.data.arith_levels),)}  # --sft_curriculum_steps (validated: arith only)
     for i in bar:
-      examples = self.task.sft_examples(self.data_rng, cfg.data.sft_batch_size)
+      kwargs = easiest if i < cfg.run.sft_curriculum_steps else {}
+      examples = self.task.sft_examples(self.data_rng, cfg.data.sft_batch_size, **kwargs)
       p_tok, p_mask, _ = encode_prompts(self.tokenizer, [e[0] for e in examples], self.buckets)
       c_tok, c_mask = encode_targets(self.tokenizer, [e[1] for e in examples], M)
       batch = SequenceBatch(*(jnp.asarray(x) for x in (p_tok, p_mask, c_tok, c_mask)))
@@ -755,8 +793,10 @@ class RLRun:
       "time_step_s": t2 - t0,
     }
     record["rollout_share"] = record["time_generate_s"] / max(record["time_step_s"], 1e-9)
-    if cfg.data.reward_normalize != "none":
+    if cfg.data.reward_normalization != "none":
       record["reward_normalized_mean"] = float(rewards.values.mean())
+    if cfg.data.is_mixture:
+      record.update(task_metrics(batch.problems, rewards, cfg.rollout.num_samples))
     record.update(device_memory())  # where the backend reports it (not on CPU)
     record.update(
       self.ledger.step(

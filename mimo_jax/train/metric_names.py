@@ -35,7 +35,10 @@ METRICS: tuple[tuple[str, str], ...] = (
     "reward_ema_*",
     "reward shaping's running (EMA) statistics of the clipped reward: `reward_ema_mean`, `reward_ema_std`",
   ),
-  ("eval/*", "held-out evaluation: `greedy_accuracy`, `pass@k`, `maj@k`, `num_problems`, `prompt_truncated`"),
+  (
+    "eval/*",
+    "held-out evaluation: `greedy_accuracy`, `pass@k`, `maj@k`, `num_problems`, `prompt_truncated`; a mixture's also per task (`eval/<task>/...`)",
+  ),
   ("response_len", "completion length in tokens, batch mean"),
   ("truncated_frac", "fraction of completions that hit `--max_new_tokens`"),
   ("prompt_truncated", "prompts cut to the longest bucket this step"),
@@ -81,6 +84,10 @@ METRICS: tuple[tuple[str, str], ...] = (
   ("rollout_share", "share of the step spent generating"),
   ("ds_*", "dynamic sampling: `ds_rounds`, `ds_filled_groups`, `ds_kept_frac_first_round`"),
   ("curriculum/*", "pass-rate curriculum: pool statistics"),
+  (
+    "task/*",
+    "a task mixture's batch per task: `task/<name>/share` (of the prompts), `task/<name>/reward_mean` (raw), `task/<name>/accuracy`",
+  ),
   (
     "value_*",
     "critic: `value_loss`, `value_mean`, `value_pred_mean`, `value_grad_norm`, `value_update_norm`, `value_passes`, `value_skipped`",

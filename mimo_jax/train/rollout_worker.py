@@ -201,22 +201,40 @@ class RolloutWorker:
     # state outside every pytree), the data RNG, the curriculum, the batch records.
     self.key_data = np.asarray(jax.random.key_data(key))
     self.data_rng = np.random.default_rng(cfg.run.seed)
-    self.prompt_sampler = self._prompt_sampler() if cfg.data.curriculum else None
+    self.prompt_sampler = self._prompt_sampler() if cfg.data.curriculum or cfg.data.is_mixture else None
     self.batches: collections.deque[dict[str, Any]] = collections.deque(maxlen=_BATCH_RECORDS)
     self._rows_announced = False
 
   def _prompt_sampler(self) -> PromptSampler:
-    """The curriculum sampler: a pool of task prompts, weighted toward the pass-rate band."""
-    band = self.cfg.data.curriculum_band
-    cls = type(self.task.sample(np.random.default_rng(0), 1)[0])
+    """The prompt pool: with ``--curriculum``, weighted toward the pass-rate band (a pool refreshed 10% a
+    step); for a task mixture, stratified by (task, level) (without the curriculum the pool is drawn
+    afresh every step, so only the proportions differ from plain sampling)."""
+    data = self.cfg.data
+    strata = self.task.strata() if data.is_mixture else None
+    if hasattr(self.task, "problem_from_dict"):
+      factory = self.task.problem_from_dict
+    else:
+      cls = type(self.task.sample(np.random.default_rng(0), 1)[0])
+      factory = lambda fields: cls(**fields)  # noqa: E731
+    if data.curriculum:
+      band = data.curriculum_band
+      return PromptSampler(
+        self.task.sample,
+        pool_size=data.curriculum_pool,
+        curriculum=PassRateCurriculum(target_band=(band[0], band[1])),
+        strata=strata,
+        heldout_uids={p.uid for p in self.task.heldout()},
+        dedup_window=1,
+        refresh_fraction=0.1,
+        problem_factory=factory,
+      )
     return PromptSampler(
       self.task.sample,
-      pool_size=self.cfg.data.curriculum_pool,
-      curriculum=PassRateCurriculum(target_band=(band[0], band[1])),
+      pool_size=4 * self.rows,
+      strata=strata,
       heldout_uids={p.uid for p in self.task.heldout()},
-      dedup_window=1,
-      refresh_fraction=0.1,
-      problem_factory=lambda fields: cls(**fields),
+      refresh_fraction=1.0,
+      problem_factory=factory,
     )
 
   # ---- weights in, batches out ---------------------------------------------------------------

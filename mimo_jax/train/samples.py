@@ -97,6 +97,7 @@ def select_samples(
       "row": i,
       "prompt_id": int(exp.prompt_id[i]),
       "uid": str(problem.uid),
+      "task": str(getattr(problem, "task", "")),
       "batch_id": int(exp.batch_id[i]),
       "policy_version": int(exp.policy_version[i]),
       "temperature": float(batch.temperature),
