@@ -312,6 +312,14 @@ class AlgoConfig:
     choices=("auto", *IS_CORRECTIONS),
   )
   is_clip: float = field(2.0, "Threshold C of the importance correction (weights truncated at / masked above C).", ge=1)
+  behaviour_logprobs: str = field(
+    "recompute",
+    "The PPO ratio's old log-probs: recompute (a teacher-forced forward pass of the policy in the learner), "
+    "sampler (the full-softmax log-probs the sampler recorded while generating: the same weights and "
+    "temperature, one forward pass fewer; needs synchronous rollout), or auto (sampler where allowed, else "
+    "recompute).",
+    choices=("auto", "recompute", "sampler"),
+  )
   # ---- DAPO dynamic sampling
   dynamic_sampling: bool = field(False, "Drop groups whose rewards are all equal and refill with fresh prompts.")
   dynamic_sampling_max_rounds: int = field(3, "Most extra generation rounds per step to refill the batch.", ge=0)
@@ -661,8 +669,9 @@ class RunConfig:
   sft_steps: int = field(0, "Supervised warm-start steps before RL.", ge=0)
   sft_curriculum_steps: int = field(
     0,
-    "The first N supervised steps draw only the easiest --arith_levels (the digit alignment is learned on "
-    "short operands first); 0: every step draws all levels.",
+    "The first N supervised steps draw only each task's easiest difficulty level (arith: the lowest "
+    "--arith_levels, where the digit alignment is learned on short operands first; tasks with one level "
+    "are unaffected; at least --sft_steps: the whole warm start); 0: every step draws all levels.",
     ge=0,
   )
   rm_steps: int = field(200, "--mode=reward_model: optimizer steps.", ge=1)
@@ -754,6 +763,7 @@ ADDED_SETTINGS = {
   "checkpoint": ("keep_best",),
   "run": ("stop_at_step", "rm_steps", "sft_curriculum_steps"),
   "optim": ("rm_learning_rate",),
+  "algo": ("behaviour_logprobs",),
   "data": (
     "rm_batch_size",
     "rm_pairs",
@@ -818,19 +828,13 @@ def validate(cfg: Config, num_devices: int) -> None:
       cfg.checkpoint.keep_best,
       f"the run evaluates k in {list(ks)} (from --eval_samples={cfg.run.eval_samples})",
     )
-  if cfg.run.sft_curriculum_steps:
-    check(
-      cfg.data.task == "arith" and len(cfg.data.arith_levels) > 1,
-      "sft_curriculum_steps",
-      cfg.run.sft_curriculum_steps,
-      "needs --task=arith with more than one --arith_levels (it starts on the easiest level)",
-    )
-    check(
-      cfg.run.sft_curriculum_steps < cfg.run.sft_steps,
-      "sft_curriculum_steps",
-      cfg.run.sft_curriculum_steps,
-      f"must be fewer than --sft_steps={cfg.run.sft_steps}",
-    )
+  check(
+    cfg.algo.behaviour_logprobs != "sampler" or cfg.rollout.staleness == 0,
+    "behaviour_logprobs",
+    "sampler",
+    "needs synchronous rollout (or --max_staleness=0): a stale sample's log-probs are an older policy's; "
+    "use auto or recompute",
+  )
   check(
     cfg.algo.advantage not in ADVANTAGE_ESTIMATORS or cfg.rollout.num_samples >= 2,
     "num_samples",

@@ -480,16 +480,20 @@ def test_the_settings_added_later_are_real_fields_whose_defaults_keep_the_old_be
   assert defaults.checkpoint.keep_best == "" and defaults.logging.on_alarm == "log"
 
 
-@pytest.mark.parametrize(
-  "flags, message",
-  [
-    (["--task=gsm8k", "--prompt_buckets=96"], "needs --task=arith with more than one --arith_levels"),
-    (["--arith_levels=2"], "needs --task=arith with more than one --arith_levels"),
-    (["--sft_steps=100"], "must be fewer than --sft_steps=100"),
-  ],
-)
-def test_sft_curriculum_steps_is_checked_against_the_task(flags, message):
-  path = os.path.join(ROOT, "experiments", "grpo_tiny.flags")
-  cfg = parse_config(["prog", f"--flagfile={path}", "--sft_curriculum_steps=100", *flags])
-  with pytest.raises(ConfigError, match=re.escape(message)):
-    validate(cfg, jax.device_count())
+@pytest.mark.parametrize("size", ["7b", "13b"])
+def test_the_per_size_presets_follow_the_size_rules_from_the_1b_preset(size):
+  """Bigger models: learning rate down, initial KL down, entropy bonus up, clip with the LR (the reports)."""
+  from mimo_jax.sweep.coupling import couple
+
+  def flags(name, *extra):
+    return parse_config(["prog", f"--flagfile={os.path.join(ROOT, 'experiments', name)}", *extra])
+
+  base, preset = flags("grpo_1b.flags"), flags(f"grpo_{size}.flags")
+  # The 1B preset moved to this size (shape and vocabulary only), then coupled by the rules.
+  point = flags("grpo_1b.flags", f"--model_preset={size}", f"--vocab_size={preset.model.vocab_size}")
+  coupled, changes = couple(base, point)
+  assert {c.flag for c in changes} == {"learning_rate", "kl_coef", "entropy_coef", "grad_clip"}
+  assert coupled.optim.learning_rate == preset.optim.learning_rate < base.optim.learning_rate
+  assert coupled.algo.kl_coef == preset.algo.kl_coef < base.algo.kl_coef
+  assert coupled.algo.entropy_coef == preset.algo.entropy_coef > base.algo.entropy_coef > 0
+  assert coupled.optim.grad_clip == preset.optim.grad_clip < base.optim.grad_clip

@@ -178,15 +178,13 @@ def _rl_records(run_dir):
 
 
 @pytest.mark.slow
-def test_a_mixture_trains_reports_per_task_and_resumes_identically(tmp_path, capsys):
+def test_a_mixture_trains_and_reports_per_task_through_the_command_line(tmp_path):
+  # (A resume's prompt pool, problems of both classes, is checked by the worker test above.)
   schema = '{"type": "integer"}'
   flags = ["prog", f"--flagfile={FLAGFILE}", *MIX, "--json_reward_weight=0.1", f"--json_schema={schema}"]
-  # Stopped after RL step 2 and resumed, against one uninterrupted run.
-  assert main([*flags, "--max_steps=4", "--stop_at_step=2", f"--run_dir={tmp_path / 'a'}"]) == 0
-  assert main([*flags, "--max_steps=4", f"--run_dir={tmp_path / 'a'}"]) == 0
-  assert main([*flags, "--max_steps=4", f"--run_dir={tmp_path / 'b'}"]) == 0
-  lines, rl = _rl_records(tmp_path / "b")
-  assert [r["step"] for r in rl] == [1, 2, 3, 4]
+  assert main([*flags, "--max_steps=3", f"--run_dir={tmp_path}"]) == 0
+  lines, rl = _rl_records(tmp_path)
+  assert [r["step"] for r in rl] == [1, 2, 3]
   for r in rl:
     assert r["task/arith/share"] == 0.25 and r["task/gsm8k/share"] == 0.75
     assert "reward_normalized_mean" in r  # --reward_normalize=auto standardises per task in a mixture
@@ -196,7 +194,8 @@ def test_a_mixture_trains_reports_per_task_and_resumes_identically(tmp_path, cap
   assert evals and all(r["eval/arith/num_problems"] == 2 and r["eval/gsm8k/num_problems"] == 6 for r in evals)
   assert sorted({k for r in lines for k in r if describe(k) is None}) == []
   # The json component: 1 exactly when the completion is a JSON integer (an independent check per logged sample).
-  samples = [json.loads(line) for line in open(tmp_path / "b" / "samples.jsonl")]
+  samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+  assert {s["task"] for s in samples} == {"arith", "gsm8k"}
   for s in samples:
     try:
       is_int = isinstance(json.loads(s["completion"]), int)
@@ -204,13 +203,6 @@ def test_a_mixture_trains_reports_per_task_and_resumes_identically(tmp_path, cap
       is_int = False
     assert s["components"]["json"] == float(is_int), s["completion"]
     assert (s["components"]["format"] is None) == (s["task"] == "arith")
-  # Resumed == uninterrupted: every metric of every RL step except the timings.
-  _, resumed = _rl_records(tmp_path / "a")
-
-  def strip(r):
-    return {k: v for k, v in r.items() if not k.startswith(("time_", "device_s_", "rollout_share"))}
-
-  assert [strip(r) for r in resumed] == [strip(r) for r in rl]
 
 
 def test_bad_reward_flags_are_refused_before_compute(tmp_path, capsys):

@@ -352,5 +352,6 @@ def test_sample_can_draw_from_some_levels_only_without_changing_the_default_stre
   assert {p.level for p in easy} == {1} and {p.level for p in default} == {1, 2}
   examples = task.sft_examples(np.random.default_rng(5), 32, levels=(1,))
   assert all(len(prompt) <= arith.LEVELS[1].max_prompt_len for prompt, _ in examples)
+  assert task.sft_examples(np.random.default_rng(5), 32, easiest=True) == examples
   with pytest.raises(ValueError, match="subset"):
     task.sample(np.random.default_rng(5), 4, levels=(3,))

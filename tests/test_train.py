@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mimo_jax.config import Config, OptimConfig
+from mimo_jax.config import Config, ConfigError, OptimConfig, validate
 from mimo_jax.eval import pass_at_k
 from mimo_jax.main import main, parse_config
 from mimo_jax.models import Transformer, create_sharded
@@ -322,6 +322,30 @@ def test_update_benchmark_times_the_learner_program():
   assert record["devices"] == jax.device_count()
 
 
+def test_grpo_step_benchmark_times_the_trainers_step_and_its_programs():
+  from mimo_jax.bench import grpo_step
+
+  flags = ["--model_preset=tiny", "--prompts_per_step=8", "--num_samples=2", "--max_new_tokens=4", "--mesh_fsdp=8"]
+  m = grpo_step.measure(flags, steps=3, programs=1)
+  assert m["first_step_s"] > m["steady_step_s"] > 0  # the first step compiles
+  assert m["score_s"] > 0 and m["learn_s"] > 0 and m["generate_s"] > 0 and m["devices"] == jax.device_count()
+  # Both sides of the side-by-side run one shape: the trainer's flags and the peer's say the same.
+  cfg = parse_config(["prog", f"--flagfile={grpo_step.FLAGFILE}", *grpo_step.SHAPES["tunix"]])
+  model = cfg.model.model_config()
+  peer = dict(f[2:].split("=") for f in grpo_step.PEER_FLAGS["tunix"])
+  assert (model.num_layers, model.d_model, model.mlp_dim, model.num_heads, model.num_kv_heads, model.head_dim) == (
+    int(peer["layers"]),
+    int(peer["d_model"]),
+    int(peer["mlp"]),
+    int(peer["heads"]),
+    int(peer["kv_heads"]),
+    int(peer["head_dim"]),
+  )
+  assert cfg.model.vocab_size == int(peer["vocab"]) and cfg.rollout.max_new_tokens == int(peer["max_new_tokens"])
+  assert (cfg.data.prompts_per_step, cfg.rollout.num_samples) == (int(peer["prompts"]), int(peer["group"]))
+  assert cfg.rollout.buckets == (int(peer["max_prompt_len"]),)
+
+
 @pytest.mark.slow
 def test_dry_run_13b_on_8_devices():
   from mimo_jax.train.dry_run import dry_run
@@ -479,3 +503,36 @@ def test_micro_batched_scoring_equals_one_pass():
   for a, b in zip(one, chunked, strict=True):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
   assert float(jnp.max(jnp.abs(one[0]))) > 0  # real log-probs, not zeros
+
+
+def test_the_samplers_behaviour_logprobs_stand_in_for_the_learners_behaviour_pass(tmp_path):
+  """--behaviour_logprobs=sampler: one forward pass fewer, the same update to rounding."""
+  import dataclasses
+
+  from mimo_jax.train.learner import build_learner, sampler_behaviour
+  from mimo_jax.train.loop import RLRun
+
+  cfg = _cfg(tmp_path, "--mesh_fsdp=8", "--top_k=8")
+  run = RLRun(cfg, str(tmp_path))
+  run.open_logger(None)
+  state = run.begin_rl(run.fresh_state("rl").params, {})
+  exp = run.worker.produce(0, 0).experience
+  fast = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, behaviour_logprobs="sampler"))
+  assert not sampler_behaviour(cfg) and sampler_behaviour(fast)
+  outs = []
+  for c in (cfg, fast):
+    learner = build_learner(c, run.mesh, run.graphdef)
+    new, metrics = learner.learn(jax.tree.map(jnp.copy, state), exp, jnp.int32(0), jnp.bool_(False))
+    outs.append((new, jax.device_get(metrics)))
+  (slow_state, slow), (fast_state, quick) = outs
+  for key in ("loss", "pg_loss", "kl_k3", "entropy", "grad_norm"):
+    assert quick["train"][key] == pytest.approx(slow["train"][key], rel=1e-4, abs=1e-6), key
+  # With top-k the sampler's truncation still gets its correction: the same weights either way.
+  assert quick["rollout"]["is_ratio_mean"] == pytest.approx(slow["rollout"]["is_ratio_mean"], rel=1e-4)
+  diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), slow_state.params, fast_state.params)
+  assert max(jax.tree.leaves(diff)) < 1e-6
+  # The ledger counts the pass that no longer runs.
+  assert run.ledger.use_behaviour_pass
+  run.close()
+  with pytest.raises(ConfigError, match="--behaviour_logprobs='sampler': needs synchronous rollout"):
+    validate(_cfg(tmp_path, "--behaviour_logprobs=sampler", "--async_rollout"), jax.device_count())

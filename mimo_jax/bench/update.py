@@ -53,6 +53,7 @@ def _experience(rows: int, prompt_len: int, completion_len: int, vocab: int, see
     truncated=jnp.asarray(lengths == completion_len),
     rewards=jnp.asarray(rng.integers(0, 2, rows), jnp.float32),
     reward_components={"correct": jnp.asarray(rng.integers(0, 2, rows), jnp.float32)},
+    logprobs=jnp.asarray(-rng.exponential(3.0, (rows, completion_len)).astype(f32)),
     sampler_logprobs=jnp.asarray(-rng.exponential(3.0, (rows, completion_len)).astype(f32)),
     temperature=jnp.ones((rows,), jnp.float32),
     top_k=jnp.zeros((rows,), jnp.int32),

@@ -461,6 +461,7 @@ class ArithTask:
     *,
     wrong_carry_fraction: float | None = None,
     levels: Sequence[int] | None = None,
+    easiest: bool = False,
   ) -> list[tuple[str, str]]:
     """Draws ``n`` supervised demonstrations, some of them deliberately wrong.
 
@@ -476,6 +477,8 @@ class ArithTask:
         task's ``sft_wrong_carry_fraction``)
         demonstration is wrong.
       levels: draw the problems from these levels only (default: all; see :meth:`sample`).
+      easiest: draw from the easiest of the task's levels only (the warm start's curriculum,
+        ``--sft_curriculum_steps``); overrides ``levels``.
 
     Returns:
       ``(prompt, completion)`` pairs; completions carry no EOS, the caller appends it.
@@ -488,7 +491,7 @@ class ArithTask:
     fraction = float(wrong_carry_fraction)
     if not 0.0 <= fraction <= 1.0:
       raise ValueError(f"wrong_carry_fraction must be in [0, 1], got {wrong_carry_fraction}")
-    problems = self.sample(rng, n, levels=levels)
+    problems = self.sample(rng, n, levels=(min(self.levels),) if easiest else levels)
     # One uniform per problem, carry or not, so which problems turn wrong does not
     # change the stream consumed for the others.  rng.random() is in [0, 1): fraction 0
     # never and fraction 1 always makes a carry problem wrong.

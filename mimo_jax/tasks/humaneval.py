@@ -242,8 +242,10 @@ class HumanEvalTask(SplitTask):
     """The task name stored on every problem."""
     return TASK_NAME
 
-  def sft_examples(self, rng: np.random.Generator, n: int) -> list[tuple[str, str]]:
+  def sft_examples(self, rng: np.random.Generator, n: int, *, easiest: bool = False) -> list[tuple[str, str]]:
     """Draws ``n`` supervised demonstrations: each prompt with its canonical solution.
+
+    ``easiest`` (the warm start's curriculum) changes nothing: HumanEval has one difficulty level.
 
     Args:
       rng: the numpy generator to draw from (advanced in place).

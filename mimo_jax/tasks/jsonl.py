@@ -78,8 +78,9 @@ class JsonlTask(SplitTask):
   def name(self) -> str:
     return TASK_NAME
 
-  def sft_examples(self, rng: np.random.Generator, n: int) -> list[tuple[str, str]]:
-    """``(prompt, " " + answer)`` demonstrations (no reasoning is available in a bare answer field)."""
+  def sft_examples(self, rng: np.random.Generator, n: int, *, easiest: bool = False) -> list[tuple[str, str]]:
+    """``(prompt, " " + answer)`` demonstrations (no reasoning is available in a bare answer field); ``easiest``
+    changes nothing (one difficulty level)."""
     return [(p.prompt, " " + p.answer) for p in self.sample(rng, n)]
 
   def tokenizer_corpus(self) -> list[str]:

@@ -129,12 +129,13 @@ class MixtureTask:
       out.extend(task.sample(rng, count))
     return [out[i] for i in rng.permutation(len(out)).tolist()]
 
-  def sft_examples(self, rng: np.random.Generator, n: int) -> list[tuple[str, str]]:
-    """``n`` demonstrations, each task's count a multinomial draw by weight, shuffled together."""
+  def sft_examples(self, rng: np.random.Generator, n: int, *, easiest: bool = False) -> list[tuple[str, str]]:
+    """``n`` demonstrations, each task's count a multinomial draw by weight, shuffled together (``easiest``:
+    each task's easiest level only)."""
     counts = rng.multinomial(n, list(self.weights.values()))
     out: list[tuple[str, str]] = []
     for task, count in zip(self.tasks.values(), counts.tolist(), strict=True):
-      out.extend(task.sft_examples(rng, count))
+      out.extend(task.sft_examples(rng, count, easiest=easiest))
     return [out[i] for i in rng.permutation(len(out)).tolist()]
 
   def tokenizer_corpus(self) -> list[str]:

@@ -192,6 +192,7 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
     truncated=rows((B,), bool),
     rewards=rows((B,), jnp.float32),
     reward_components={"correct": rows((B,), jnp.float32)},
+    logprobs=rows((B, M), jnp.float32),
     sampler_logprobs=rows((B, M), jnp.float32),
     temperature=rows((B,), jnp.float32),
     top_k=rows((B,), jnp.int32),

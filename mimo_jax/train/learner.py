@@ -74,6 +74,9 @@ class Experience:
     truncated: bool ``[B]``, the completion hit the length limit.
     rewards: float32 ``[B]``, the raw mixed reward (what is logged).
     reward_components: ``{name: float32 [B]}``, each reward source's raw value.
+    logprobs: float32 ``[B, M]``, the sampled tokens' log-probs under the full softmax at the row's
+      temperature, recorded by the sampler (what the learner's behaviour pass recomputes, to rounding,
+      when the weights that generated are the learner's: ``--behaviour_logprobs``).
     sampler_logprobs: float32 ``[B, M]``, the sampler's own log-probs of the sampled tokens
       (under the truncated top-k/top-p distribution it drew from).
     temperature: float32 ``[B]``, the sampling temperature of each row.
@@ -93,6 +96,7 @@ class Experience:
   truncated: jax.Array
   rewards: jax.Array
   reward_components: dict[str, jax.Array]
+  logprobs: jax.Array
   sampler_logprobs: jax.Array
   temperature: jax.Array
   top_k: jax.Array
@@ -247,6 +251,22 @@ def is_correction(cfg: Config) -> str:
   return "none"
 
 
+def sampler_behaviour(cfg: Config) -> bool:
+  """Whether the PPO ratio's old log-probs are the sampler's own (``--behaviour_logprobs``).
+
+  The sampler records each token's log-prob under the full softmax at the row's temperature
+  (``Experience.logprobs``, whatever top-k/top-p it then drew from): with synchronous rollout the
+  weights that generated are the learner's current ones, so these are the learner's behaviour
+  log-probs to rounding and its teacher-forced behaviour pass is redundant.  ``auto`` takes them
+  wherever that holds; with stale samples (async rollout) the learner recomputes (the decoupled
+  correction needs the current, proximal policy's).
+  """
+  mode = cfg.algo.behaviour_logprobs
+  if mode == "recompute":
+    return False
+  return cfg.rollout.staleness == 0 if mode == "auto" else True
+
+
 def rl_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """The policy's RL optimizer: the clip threshold is injected every update (fixed or LR-linked, from
   the controllers); with the phase schedule the LR shape comes from the controllers, on a constant
@@ -316,6 +336,7 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
   if use_value and value_graphdef is None:
     raise ValueError("build_learner: --use_value_model needs the value model's graphdef")
   micro = a.num_minibatches * a.grad_accum  # score and value passes over the update's micro-batch rows
+  from_sampler = sampler_behaviour(cfg)
   score = make_score_fn(
     graphdef,
     mesh,
@@ -323,6 +344,7 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
     logprob_impl=a.logprob_impl,
     micro_batches=micro,
     reference_offload=a.reference_offload,
+    use_policy=not from_sampler,
   )
   advantages = make_advantage_fn(advantage_settings(cfg))
   upd_settings = update_settings(cfg)
@@ -348,6 +370,8 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
     seqs = exp.sequences
     # ---- score: behaviour and reference log-probs, critic values
     old_logp, ref_logp = score(state.policy.params, state.reference, seqs, exp.temperature)
+    if from_sampler:  # the sampler's own log-probs of its tokens: the same weights, temperature and softmax
+      old_logp = jnp.where(exp.completion_mask, exp.logprobs, 0.0)
     values = values_of(state.value.params, seqs) if use_value else jnp.zeros_like(old_logp)
     # ---- coefficients and advantages
     base_lr = schedule(state.policy.step)

@@ -8,7 +8,8 @@ length and completion length; padding is not counted), for what the trainer runs
   With dynamic sampling every round generated counts (rounds are counted at the trained batch's
   token counts: an estimate).
 - ``score``: the behaviour log-probs, one teacher-forced forward of the policy over prompt + completion
-  (logits of the completion positions only, as the fused kernel computes them).
+  (logits of the completion positions only, as the fused kernel computes them); none when the sampler's
+  own log-probs stand in for them (``--behaviour_logprobs``).
 - ``reference``: the same forward of the frozen reference (when there is one).
 - ``learn``: forward + backward (3 forwards' worth; 4 with ``--remat=full``, which recomputes the
   forward in the backward) of the policy per PPO epoch, and of the critic per value pass, plus the
@@ -106,6 +107,7 @@ class Ledger:
     use_reference: bool,
     use_value: bool,
     epochs: int,
+    use_behaviour_pass: bool = True,
     remat_full: bool,
     rollout_devices: int,
     learner_devices: int,
@@ -113,6 +115,7 @@ class Ledger:
     self.policy = policy
     self.use_reference = use_reference
     self.use_value = use_value
+    self.use_behaviour_pass = use_behaviour_pass
     self.epochs = epochs
     self.backward_factor = 4 if remat_full else 3
     self.rollout_devices = rollout_devices
@@ -143,7 +146,7 @@ class Ledger:
     score = pc.score(prompt_len, completion_len)
     out = {
       "flops_generate": float(rounds * pc.generate(prompt_len, completion_len)),
-      "flops_score": float(score),
+      "flops_score": float(score if self.use_behaviour_pass else 0),
       "flops_reference": float(score if self.use_reference else 0),
     }
     learn = self.backward_factor * self.epochs * score if trained else 0

@@ -50,7 +50,14 @@ from mimo_jax.tasks.registry import build_task, check_sandbox
 from mimo_jax.train import rundir
 from mimo_jax.train.alarms import Alarms, alarm_settings
 from mimo_jax.train.async_rollout import AsyncRollout
-from mimo_jax.train.learner import Experience, LearnerState, build_learner, init_controller_state, uses_kl
+from mimo_jax.train.learner import (
+  Experience,
+  LearnerState,
+  build_learner,
+  init_controller_state,
+  sampler_behaviour,
+  uses_kl,
+)
 from mimo_jax.train.ledger import FlopCounter, Ledger
 from mimo_jax.train.logger import MetricsLogger, device_memory, format_progress, histogram_quantiles
 from mimo_jax.train.rollout_worker import RolloutWorker, digest
@@ -257,6 +264,7 @@ class RLRun:
       FlopCounter.of(self.model_cfg),
       use_reference=self.use_kl,
       use_value=self.use_value,
+      use_behaviour_pass=not sampler_behaviour(cfg),
       epochs=cfg.algo.ppo_epochs,
       remat_full=self.model_cfg.remat == "full",
       rollout_devices=(self.rollout_mesh or self.mesh).devices.size,
@@ -636,10 +644,9 @@ class RLRun:
     bar = tqdm.trange(
       start, n, desc="sft", leave=False, mininterval=1.0, initial=start, total=n, disable=not multihost.is_primary()
     )
-    easiest = {"levels": (min(cfg.data.arith_levels),)}  # --sft_curriculum_steps (validated: arith only)
     for i in bar:
-      kwargs = easiest if i < cfg.run.sft_curriculum_steps else {}
-      examples = self.task.sft_examples(self.data_rng, cfg.data.sft_batch_size, **kwargs)
+      easiest = i < cfg.run.sft_curriculum_steps  # the easiest difficulty level first
+      examples = self.task.sft_examples(self.data_rng, cfg.data.sft_batch_size, easiest=easiest)
       p_tok, p_mask, _ = encode_prompts(self.tokenizer, [e[0] for e in examples], self.buckets)
       c_tok, c_mask = encode_targets(self.tokenizer, [e[1] for e in examples], M)
       batch = SequenceBatch(*(jnp.asarray(x) for x in (p_tok, p_mask, c_tok, c_mask)))

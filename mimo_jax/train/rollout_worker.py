@@ -400,6 +400,7 @@ class RolloutWorker:
       truncated=rollout.finish_reason == FINISH_LENGTH,
       rewards=np.asarray(rewards.values, np.float32),
       reward_components={k: np.asarray(v, np.float32) for k, v in sorted(rewards.components.items())},
+      logprobs=rollout.logprobs,
       sampler_logprobs=rollout.sampler_logprobs,
       temperature=rollout.temperature,
       top_k=np.full((B,), rollout.top_k, np.int32),

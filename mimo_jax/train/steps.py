@@ -191,12 +191,14 @@ def make_score_fn(
   logprob_impl: str = "fused",
   micro_batches: int = 1,
   reference_offload: str = "none",
+  use_policy: bool = True,
 ):
   """A jitted ``(params, ref_params, batch, temperature) -> (old_logprobs, ref_logprobs)``.
 
   Both are teacher-forced at the sampling temperature, over ``micro_batches`` row chunks
   in sequence (the same rows per forward pass as the update's micro-batches).  Without a
-  reference the second output is zeros (and no reference forward pass is compiled).  The
+  reference the second output is zeros (and no reference forward pass is compiled); with
+  ``use_policy=False`` the first is (the caller has the behaviour log-probs already).  The
   reference may be stored in another form (``models.reference``: bf16, int8, host memory); it is
   made dense in the policy's dtypes once, before the chunks.
   """
@@ -213,12 +215,13 @@ def make_score_fn(
     def chunk(rows):
       b, temp = rows
       args = (b.prompt_tokens, b.prompt_mask, b.completion_tokens, b.completion_mask, temp)
+      zeros = jnp.zeros(b.completion_tokens.shape, jnp.float32)
       with _rules(mesh):
-        old = logprobs(nnx.merge(graphdef, params), *args)
+        old = logprobs(nnx.merge(graphdef, params), *args) if use_policy else zeros
         if use_reference:
           ref = logprobs(nnx.merge(graphdef, jax.lax.stop_gradient(ref_params)), *args)
         else:
-          ref = jnp.zeros_like(old)
+          ref = zeros
       return old, ref
 
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), batch.prompt_tokens.shape[:1])
