@@ -241,6 +241,11 @@ def test_end_to_end_run_writes_the_run_directory(tmp_path, capsys):
   ):
     assert key in rl[0], key
   assert "eval/greedy_accuracy" in rl[1] and "time_checkpoint_s" in rl[1]
+  # The learner's time split by counted FLOPs: the score passes (behaviour + reference) and the rest.
+  for r in rl:
+    assert r["time_score_s"] + r["time_update_s"] == pytest.approx(r["time_train_s"])
+    share = (r["flops_score"] + r["flops_reference"]) / (r["flops_score"] + r["flops_reference"] + r["flops_learn"])
+    assert r["time_score_s"] == pytest.approx(r["time_train_s"] * share) and 0 < share < 1
   assert sorted({k for r in lines for k in r if describe(k) is None}) == []  # the README's naming table
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["seed"] == 0 and summary["rl_steps"] == 3
@@ -329,6 +334,7 @@ def test_grpo_step_benchmark_times_the_trainers_step_and_its_programs():
   m = grpo_step.measure(flags, steps=3, programs=1)
   assert m["first_step_s"] > m["steady_step_s"] > 0  # the first step compiles
   assert m["score_s"] > 0 and m["learn_s"] > 0 and m["generate_s"] > 0 and m["devices"] == jax.device_count()
+  assert 0 < m["score_apportioned_s"] < m["learn_s"]
   # Both sides of the side-by-side run one shape: the trainer's flags and the peer's say the same.
   cfg = parse_config(["prog", f"--flagfile={grpo_step.FLAGFILE}", *grpo_step.SHAPES["tunix"]])
   model = cfg.model.model_config()

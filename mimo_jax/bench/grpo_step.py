@@ -10,7 +10,8 @@ initialised policy, ``--steps`` steps: ``first_step_s`` is step 1 (every compila
 ``steady_step_s`` the median over steps 3..N (the peer script's own definition), with the phases of the
 step (``generate``, ``reward``, ``learn``) and, measured in the same process after the timed steps, the
 learner split by program (``score_s``: the score pass alone, behaviour and reference log-probs, timed
-with ``block_until_ready``; ``update_s``: the rest of ``learn``).
+with ``block_until_ready``; ``update_s``: the rest of ``learn``; ``score_apportioned_s``: the trainer's own
+logged ``time_score_s``, the learner's time apportioned by counted FLOPs, to check it against).
 
 With ``--peer_script`` the peer (Google Tunix's GRPO loop, ``peer_tunix_grpo.sh`` from the project's
 peers) runs at the same shape in its own process, alternating with mimo-jax, ``--repeats`` rounds each;
@@ -159,6 +160,9 @@ def measure(flags: Sequence[str], steps: int, programs: int = 3) -> dict:
     "learn_s": median("time_train_s"),
     "score_s": score_med,
     "update_s": max(learn_med - score_med, 0.0),
+    # What the trainer logs as time_score_s (the learner's time apportioned by counted FLOPs), to set
+    # beside the score pass timed alone.
+    "score_apportioned_s": median("time_score_s"),
     "completion_tokens_mean": median("response_len"),
     "devices": jax.device_count(),
   }
@@ -218,7 +222,8 @@ def run(args: argparse.Namespace, extra: Sequence[str]) -> dict:
     "machine": f"{platform.machine()}, {os.cpu_count()} cores",
     "extra_flags": list(extra),
   }
-  for key in ("first_step_s", "steady_step_s", "generate_s", "reward_s", "learn_s", "score_s", "update_s"):
+  keys = ("first_step_s", "steady_step_s", "generate_s", "reward_s", "learn_s", "score_s", "update_s")
+  for key in (*keys, "score_apportioned_s"):
     values = [m[key] for m in ours]
     summary[f"mimo_{key}_median"] = round(statistics.median(values), 4)
     summary[f"mimo_{key}_spread"] = _spread(values)

@@ -204,7 +204,7 @@ def run_report(run: Mapping[str, Any]) -> Page:
     ),
     "completion length (batch mean) and the share that hit --max_new_tokens",
   )
-  parts = ("generate", "reward", "train", "checkpoint", "step")
+  parts = ("generate", "reward", "score", "update", "checkpoint", "step")
   page.figure(
     lines(
       {k: series(rl, f"time_{k}_s") for k in parts},
@@ -212,7 +212,7 @@ def run_report(run: Mapping[str, Any]) -> Page:
       ylabel="seconds",
       marks=marks,
     ),
-    "seconds per step: generation, reward, the learner program (scoring included), this step's own checkpoint, the whole step",
+    "seconds per step: generation, reward, the learner program's score passes and update (one program, its time split by counted FLOPs), this step's own checkpoint, the whole step",
   )
 
   # --- distributions ---------------------------------------------------------------------------------------

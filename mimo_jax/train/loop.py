@@ -816,6 +816,13 @@ class RLRun:
         time_train_s=record["time_train_s"],
       )
     )
+    # The learner is one program (score -> advantages -> update -> critic -> controllers): its measured
+    # time is apportioned to the score passes (behaviour + reference forwards) and the rest by their
+    # counted FLOPs (checked against the score pass timed alone in ``python -m mimo_jax.bench.grpo_step``).
+    scored = record["flops_score"] + record["flops_reference"]
+    share = scored / max(scored + record["flops_learn"], 1.0)
+    record["time_score_s"] = record["time_train_s"] * share
+    record["time_update_s"] = record["time_train_s"] - record["time_score_s"]
     if kl_per_seq is not None:  # the prompt with the largest KL to the reference, by id
       worst = int(np.argmax(np.asarray(kl_per_seq).reshape(-1, cfg.rollout.num_samples).mean(axis=1)))
       record["kl_prompt_max_id"] = int(batch.experience.prompt_id[worst * cfg.rollout.num_samples])

@@ -107,7 +107,7 @@ METRICS: tuple[tuple[str, str], ...] = (
   ("tokens_total", "prompt + completion tokens trained on so far"),
   (
     "time_*_s",
-    "seconds of the step's parts: `generate`, `reward`, `train` (the learner program, scoring included), `checkpoint` (this step's own save), `produce`, `step`, and each side's idle time",
+    "seconds of the step's parts: `generate`, `reward`, `train` (the learner program, scoring included; split into `score` and `update` by their counted FLOPs, the program being one), `checkpoint` (this step's own save), `produce`, `step`, and each side's idle time",
   ),
   (
     "mem_*_gib",
