@@ -30,7 +30,9 @@ FLAGS = [
   "--eval_every=3",
   "--checkpoint_every=3",
   "--max_new_tokens=6",
-  # A KL alarm on purpose: any KL above 1e-9, smoothed over 2 steps, from the fourth step on.
+  # A KL alarm on purpose: any KL above 1e-9, smoothed over 2 steps, from the fourth step on (an entropy
+  # bonus moves the policy off the reference even when every reward of these few steps is 0).
+  "--entropy_coef=0.01",
   "--alarm_window=2",
   "--alarm_kl_max=1e-9",
   # The same records to Weights & Biases, offline (no network).
