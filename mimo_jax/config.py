@@ -313,7 +313,7 @@ class AlgoConfig:
   )
   is_clip: float = field(2.0, "Threshold C of the importance correction (weights truncated at / masked above C).", ge=1)
   behaviour_logprobs: str = field(
-    "recompute",
+    "auto",
     "The PPO ratio's old log-probs: recompute (a teacher-forced forward pass of the policy in the learner), "
     "sampler (the full-softmax log-probs the sampler recorded while generating: the same weights and "
     "temperature, one forward pass fewer; needs synchronous rollout), or auto (sampler where allowed, else "
@@ -763,6 +763,7 @@ ADDED_SETTINGS = {
   "checkpoint": ("keep_best",),
   "run": ("stop_at_step", "rm_steps", "sft_curriculum_steps"),
   "optim": ("rm_learning_rate",),
+  # Absent reads as auto: it differs from the older recompute by rounding only, and only in training.
   "algo": ("behaviour_logprobs",),
   "data": (
     "rm_batch_size",

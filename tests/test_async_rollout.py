@@ -351,7 +351,9 @@ def test_stale_ratios_equal_a_direct_recomputation_under_the_generating_policy(t
   from mimo_jax.models.logprobs import completion_stats
   from mimo_jax.rl.advantages import masked_mean
 
-  run = _learner_run(tmp_path, f"--is_correction={mode}", "--is_clip=1.05")
+  # A stale batch simulated in a synchronous run: the learner must recompute its behaviour log-probs
+  # (in a real async run --behaviour_logprobs=auto does, staleness being possible).
+  run = _learner_run(tmp_path, f"--is_correction={mode}", "--is_clip=1.05", "--behaviour_logprobs=recompute")
   state = run.begin_rl(run.fresh_state("rl").params, {})
   generating = jax.tree.map(jnp.copy, state.params)
   batch = run.worker.produce(2, 0)  # made by version 0, trained on at step 2: two versions stale
@@ -370,7 +372,8 @@ def test_stale_ratios_equal_a_direct_recomputation_under_the_generating_policy(t
   # The weights reach the update: the uncorrected learner's loss on the same state and batch differs.
   from mimo_jax.train.learner import build_learner
 
-  plain = build_learner(parse_config(["prog", *SMALL, "--is_correction=none"]), run.mesh, run.graphdef)
+  plain_cfg = parse_config(["prog", *SMALL, "--is_correction=none", "--behaviour_logprobs=recompute"])
+  plain = build_learner(plain_cfg, run.mesh, run.graphdef)
   _, plain_metrics = plain.learn(same_state, exp, jnp.int32(2), jnp.bool_(False))
   assert float(plain_metrics["train"]["pg_loss"]) != pytest.approx(float(metrics["train"]["pg_loss"]), rel=1e-4)
   np.testing.assert_allclose(plain_metrics["rollout"]["is_ratio_mean"], metrics["rollout"]["is_ratio_mean"], rtol=1e-6)

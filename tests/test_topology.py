@@ -97,6 +97,7 @@ def test_an_oversized_batch_is_refused_naming_the_flag_and_the_overflow(tmp_path
     "--dry_run_topology=v5e-1",
     "--prompts_per_step=64",
     "--num_samples=16",
+    "--max_new_tokens=8",
     "--vocab_size=262144",
     "--logprob_impl=full",
     f"--run_dir={tmp_path}",
