@@ -512,13 +512,13 @@ def test_micro_batched_scoring_equals_one_pass():
 
 
 def test_the_samplers_behaviour_logprobs_stand_in_for_the_learners_behaviour_pass(tmp_path):
-  """--behaviour_logprobs=sampler: one forward pass fewer, the same update to rounding."""
+  """--behaviour_logprobs=sampler (what auto picks in synchronous runs): one forward pass fewer, the same update."""
   import dataclasses
 
   from mimo_jax.train.learner import build_learner, sampler_behaviour
   from mimo_jax.train.loop import RLRun
 
-  cfg = _cfg(tmp_path, "--mesh_fsdp=8", "--top_k=8")
+  cfg = _cfg(tmp_path, "--mesh_fsdp=8", "--top_k=8", "--behaviour_logprobs=recompute")
   run = RLRun(cfg, str(tmp_path))
   run.open_logger(None)
   state = run.begin_rl(run.fresh_state("rl").params, {})
@@ -540,5 +540,7 @@ def test_the_samplers_behaviour_logprobs_stand_in_for_the_learners_behaviour_pas
   # The ledger counts the pass that no longer runs.
   assert run.ledger.use_behaviour_pass
   run.close()
+  # The shipped default (auto) takes the sampler's in a synchronous run and recomputes in an async one.
+  assert sampler_behaviour(_cfg(tmp_path)) and not sampler_behaviour(_cfg(tmp_path, "--async_rollout"))
   with pytest.raises(ConfigError, match="--behaviour_logprobs='sampler': needs synchronous rollout"):
     validate(_cfg(tmp_path, "--behaviour_logprobs=sampler", "--async_rollout"), jax.device_count())
