@@ -209,6 +209,42 @@ def test_a_rerun_with_another_definition_is_refused(tmp_path):
     Sweep(base=BASE, axes=[parse_axis("num_layers=1")], out=str(fresh), gate_steps=0, num_devices=8)._claim(changed)
 
 
+def test_a_sweep_can_be_extended_by_axes_and_seeds_that_keep_its_recorded_runs(tmp_path, capsys):
+  """More axes or seeds in the same --out reuse the recorded runs (the base's first); any other change is refused."""
+
+  def sweep(*axes, seeds=1):
+    return Sweep(
+      base=BASE, axes=[parse_axis(a) for a in axes], out=str(tmp_path), seeds=seeds, gate_steps=0, num_devices=8
+    )
+
+  first = sweep("num_layers=1")
+  first._claim(first.plan())
+  wider = sweep("num_layers=1", "advantage=grpo,reinforce_baseline", seeds=2)
+  plan = wider.plan()
+  wider._claim(plan)
+  assert "extends the recorded sweep (axes, seeds): 4 run(s) added, 2 recorded run(s) reused" in capsys.readouterr().out
+  recorded = json.load(open(tmp_path / "sweep.json"))
+  assert [a["flags"] for a in recorded["axes"]] == [["num_layers"], ["advantage"]] and recorded["seeds"] == [0, 1]
+  assert set(recorded["commands"]) == {r.name for r in plan} >= {"base-seed0", "num_layers=1-seed0"}
+  wider._claim(plan)  # the extended sweep's own rerun: accepted, nothing more said
+  assert "extends" not in capsys.readouterr().out
+  # Going back to the smaller sweep, changing a recorded axis, or an extension that plans a recorded run
+  # differently is refused.
+  with pytest.raises(ConfigError, match="holds another sweep.*axes"):
+    first._claim(first.plan())
+  changed = sweep("num_layers=3", "advantage=grpo,reinforce_baseline", "num_kv_heads=1", seeds=2)
+  with pytest.raises(ConfigError, match="holds another sweep.*axes"):
+    changed._claim(changed.plan())
+  third = sweep("num_layers=1", "advantage=grpo,reinforce_baseline", "num_kv_heads=1", seeds=2)
+  moved = [
+    dataclasses.replace(r, argv=(*r.argv, "--kl_coef=0.5")) if r.name == "base-seed1" else r for r in third.plan()
+  ]
+  with pytest.raises(ConfigError, match="holds another sweep.*axes"):
+    third._claim(moved)
+  third._claim(third.plan())
+  assert "2 run(s) added, 6 recorded run(s) reused" in capsys.readouterr().out
+
+
 def _stats(finals):
   return {
     "final_median": sorted(finals)[len(finals) // 2],

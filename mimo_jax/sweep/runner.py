@@ -328,7 +328,9 @@ class Sweep:
 
     The definition holds every run's command line too: a rerun whose plan came out differently (the
     coupling rules or a default changed in between) would mix two sweeps in one report, and is refused
-    with the first run that differs.
+    with the first run that differs.  One change is accepted: more axes or more seeds whose plan keeps
+    every recorded run's command as it was (an extension: the recorded runs, the base's included, are
+    reused, and the definition is rewritten to the larger sweep).
     """
     os.makedirs(self.out, exist_ok=True)
     path = os.path.join(self.out, DEFINITION)
@@ -337,6 +339,15 @@ class Sweep:
       with open(path) as f:
         theirs = json.load(f)
       differs = sorted(k for k in mine.keys() | theirs.keys() if k != "commands" and mine.get(k) != theirs.get(k))
+      if differs and self._extends(theirs, mine, differs):
+        added = sorted(set(mine["commands"]) - set(theirs.get("commands", {})))
+        print(
+          f"sweep {self.out}: extends the recorded sweep ({', '.join(differs)}): "
+          f"{len(added)} run(s) added, {len(theirs.get('commands', {}))} recorded run(s) reused",
+          flush=True,
+        )
+        write_atomic(path, json.dumps(mine, indent=2))
+        return
       if not differs and mine["commands"] != theirs.get("commands", mine["commands"]):
         name = next(n for n in mine["commands"] if mine["commands"][n] != theirs["commands"].get(n))
         raise ConfigError(
@@ -352,6 +363,17 @@ class Sweep:
         )
       return
     write_atomic(path, json.dumps(mine, indent=2))
+
+  @staticmethod
+  def _extends(theirs: dict[str, Any], mine: dict[str, Any], differs: Sequence[str]) -> bool:
+    """Whether ``mine`` only adds axes or seeds to ``theirs`` and plans every recorded run as it was."""
+    if not set(differs) <= {"axes", "seeds"} or "commands" not in theirs or not mine["commands"]:
+      return False
+    old_axes, new_axes = theirs.get("axes", []), mine["axes"]
+    old_seeds, new_seeds = theirs.get("seeds", []), mine["seeds"]
+    if new_axes[: len(old_axes)] != old_axes or not set(old_seeds) <= set(new_seeds):
+      return False
+    return all(mine["commands"].get(name) == argv for name, argv in theirs["commands"].items())
 
   # --- execution -------------------------------------------------------------------------------------------
 
