@@ -467,6 +467,12 @@ class DataConfig:
     choices=("auto", "none", "task_running"),
   )
   format_reward_weight: float = field(0.0, "Weight of the math format component (0: logged only).", ge=0)
+  digit_reward_weight: float = field(
+    0.0,
+    "Arithmetic: add a dense `digits` component, the fraction of answer digits in place (units first; a "
+    "missing or extra digit costs its share), with this weight beside the exact-match `correct` (0: none).",
+    ge=0,
+  )
   reward_model: str = field("", "Reward-model run directory (rewards.reward_model) added as a reward component.")
   reward_model_weight: float = field(1.0, "Weight of the reward-model component.", ge=0)
   reward_hacking_probe: bool = field(False, "Code tasks: track completions a naive checker would pass (logged only).")
@@ -513,6 +519,12 @@ class DataConfig:
         getattr(self, name),
         f"is ambiguous in a mixture of several file tasks ({', '.join(files)}); each uses its shipped sample",
       )
+    check(
+      self.digit_reward_weight == 0 or any(name == "arith" for name, _ in mix),
+      "digit_reward_weight",
+      self.digit_reward_weight,
+      f"is the arithmetic task's component; --task={self.task} has no arith",
+    )
     low, high = self.curriculum_band
     check(
       low < high, "curriculum_band", format_list(self.curriculum_band), "expected low,high with 0 <= low < high <= 1"

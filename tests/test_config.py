@@ -154,6 +154,11 @@ def test_every_declared_default_is_inside_its_range():
     (["--reward_clip_low=-0.1"], "--reward_clip_low=-0.1: must be in [0, 0.5)"),
     (["--sft_wrong_fraction=1.01"], "--sft_wrong_fraction=1.01: must be in [0, 1]"),
     (["--format_reward_weight=-1"], "--format_reward_weight=-1.0: must be >= 0"),
+    (["--digit_reward_weight=-1"], "--digit_reward_weight=-1.0: must be >= 0"),
+    (
+      ["--task=gsm8k", "--digit_reward_weight=1"],
+      "--digit_reward_weight=1.0: is the arithmetic task's component; --task=gsm8k has no arith",
+    ),
     (["--reward_model_weight=-0.5"], "--reward_model_weight=-0.5: must be >= 0"),
     (["--entropy_target=-1"], "--entropy_target=-1.0: must be >= 0"),
     (["--rollback_lr_factor=0"], "--rollback_lr_factor=0.0: must be in (0, 1]"),

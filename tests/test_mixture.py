@@ -144,6 +144,36 @@ def test_per_task_normalisation_standardises_each_task_before_the_mix():
   rewarder.close()
 
 
+def test_the_digit_credit_is_a_dense_arith_component_beside_the_exact_match():
+  """--digit_reward_weight: reward = correct + w * digits on arithmetic samples; other tasks' samples untouched."""
+  mix, arith, _ = _mixture()
+  problems = mix.sample(np.random.default_rng(5), 48)
+  samples = []
+  for i, p in enumerate(problems):
+    if p.task == "arith":  # exact, one digit off (the units digit, first in a reversed answer), or empty
+      text = [p.answer, str((int(p.answer[0]) + 1) % 10) + p.answer[1:], ""][i % 3]
+    else:
+      text = f" #### {p.answer}" if i % 2 else "nonsense"
+    samples.append(RewardSample(prompt=p.prompt, completion=text, row={"problem": p, "answer": p.answer}, task=p.task))
+  rewarder = build_task_reward(mix, digit_weight=0.5)
+  batch = rewarder(samples)
+  rewarder.close()
+  tasks = np.array([s.task for s in samples])
+  on = tasks == "arith"
+  assert on.any() and (~on).any()
+  expected = [arith.digit_credit(s.row["problem"], s.completion) for s, a in zip(samples, on, strict=True) if a]
+  np.testing.assert_allclose(batch.components["digits"][on], expected)
+  assert np.isnan(batch.components["digits"][~on]).all()
+  np.testing.assert_allclose(batch.raw_rewards[on], batch.components["correct"][on] + 0.5 * np.asarray(expected))
+  np.testing.assert_allclose(batch.raw_rewards[~on], batch.components["correct"][~on])
+  # A wrong answer with digits in place now earns something: the signal is dense.
+  assert {0.0, 1.5} < set(np.round(batch.raw_rewards[on], 6)) and any(0 < r < 1 for r in batch.raw_rewards[on])
+  # Off by default: no such component.
+  plain = build_task_reward(mix)
+  assert "digits" not in plain(samples).components
+  plain.close()
+
+
 def test_the_rollout_worker_draws_each_task_and_level_in_proportion(tmp_path):
   from mimo_jax.train.rollout_worker import RolloutWorker
 

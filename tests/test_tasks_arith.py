@@ -301,6 +301,35 @@ def test_reward_is_strict(completion: str, expected: float) -> None:
   assert task.reward(problem, completion) == expected
 
 
+@pytest.mark.parametrize(
+  "completion,reverse,expected",
+  [
+    # 347 + 85 = 432, compared from the units digit; divided by the longer length.
+    ("432", False, 1.0),
+    (" 432\n", False, 1.0),
+    ("422", False, 2 / 3),  # tens wrong
+    ("32", False, 2 / 3),  # hundreds missing
+    ("0432", False, 3 / 4),  # an extra leading digit
+    ("4320", False, 0.0),  # shifted: no column in place
+    ("43 2", False, 1 / 4),  # only the units digit in place
+    ("", False, 0.0),
+    ("x", False, 0.0),
+    # Reversed answers ("234") are already units-first.
+    ("234", True, 1.0),
+    ("235", True, 2 / 3),
+    ("23", True, 2 / 3),
+    ("2341", True, 3 / 4),
+    ("432", True, 1 / 3),
+  ],
+)
+def test_digit_credit_counts_digits_in_place(completion: str, reverse: bool, expected: float) -> None:
+  task = ArithTask(seed=0, heldout_size=8, reverse_answer=reverse)
+  problem = make_problem([347, 85], level=2, reverse_answer=reverse)
+  assert task.digit_credit(problem, completion) == pytest.approx(expected)
+  # Full credit exactly when the strict verifier passes.
+  assert (task.digit_credit(problem, completion) == 1.0) == (task.reward(problem, completion) == 1.0)
+
+
 # ---- tokenizer ---------------------------------------------------------------------------
 
 

@@ -1,7 +1,8 @@
 """The trainer's reward for a task: its verifier plus optional components, as a :class:`CompositeReward`.
 
 Every task's own verifier is the ``correct`` component (it also defines the logged
-accuracy).  Optional components: ``format`` for math tasks (the answer given as ``####``
+accuracy).  Optional components: ``digits`` for arithmetic (a dense partial credit, the
+fraction of answer digits in place; weight ``digit_weight``); ``format`` for math tasks (the answer given as ``####``
 or ``\\boxed{}``; weight ``format_weight``); for code, ``hacked``, the reward-hacking
 probe (a naive checker's verdict where the strict one fails; weight 0: tracked, never
 trained on); ``json`` for every task (the completion's JSON against a schema).  In a task
@@ -27,6 +28,11 @@ from mimo_jax.rewards.format import check_schema, json_reward, math_format
 def task_correct(sample: RewardSample, *, task: Any) -> float:
   """The task's own verifier on ``sample.row["problem"]``."""
   return float(task.reward(sample.row["problem"], sample.completion))
+
+
+def arith_digits(sample: RewardSample, *, task: Any) -> float:
+  """The arithmetic task's dense partial credit (:meth:`~mimo_jax.tasks.arith.ArithTask.digit_credit`)."""
+  return float(task.digit_credit(sample.row["problem"], sample.completion))
 
 
 def code_hacked(sample: RewardSample, *, task: Any) -> float:
@@ -88,6 +94,7 @@ def build_task_reward(
   hacking_probe: bool = False,
   json_weight: float | None = None,
   json_schema: Any = None,
+  digit_weight: float = 0.0,
 ) -> CompositeReward:
   """The composite reward the trainer uses for ``task``.
 
@@ -102,6 +109,8 @@ def build_task_reward(
     json_weight: add a ``json`` component (:func:`~mimo_jax.rewards.format.json_reward`) with this
       weight (None: none; 0: logged only).
     json_schema: the ``json`` component's schema (None: any JSON value).
+    digit_weight: add the arithmetic task's ``digits`` component (a dense partial credit: the
+      fraction of answer digits in place) with this weight (0: none).
     extra_sources: more components, e.g. a reward model or a judge (batched sources).
   """
   sources = [RewardSource("correct", functools.partial(task_correct, task=task), timeout_s=timeout_s)]
@@ -113,6 +122,16 @@ def build_task_reward(
   if hacking_probe and coding:
     sources.append(
       RewardSource("hacked", functools.partial(code_hacked, task=task), weight=0.0, tasks=coding, timeout_s=timeout_s)
+    )
+  if digit_weight > 0 and "arith" in parts:
+    sources.append(
+      RewardSource(
+        "digits",
+        functools.partial(arith_digits, task=parts["arith"]),
+        weight=digit_weight,
+        tasks=("arith",),
+        timeout_s=timeout_s,
+      )
     )
   if json_weight is not None:
     sources.append(

@@ -536,6 +536,29 @@ class ArithTask:
     """
     return 1.0 if completion_text.strip() == problem.answer else 0.0
 
+  def digit_credit(self, problem: Problem, completion_text: str) -> float:
+    """A dense reward: the fraction of answer digits in place, compared least-significant digit first.
+
+    Position ``i`` counts when the completion's ``i``-th digit from the units end equals the
+    gold answer's; the count is divided by the longer of the two lengths, so a missing or an extra
+    digit costs its share.  Only surrounding whitespace is forgiven; any other character never
+    matches a digit.  The exact answer scores 1.0, the empty completion 0.0.
+
+    Args:
+      problem: the problem that was posed.
+      completion_text: the decoded completion (special tokens already removed).
+
+    Returns:
+      A value in [0, 1].
+    """
+    pred, gold = completion_text.strip(), problem.answer
+    if not self.reverse_answer:  # align on the units digit
+      pred, gold = pred[::-1], gold[::-1]
+    if not pred:
+      return 0.0
+    matches = sum(a == b for a, b in zip(pred, gold, strict=False))
+    return matches / max(len(pred), len(gold))
+
   def has_carry(self, problem: Problem) -> bool:
     """Whether adding ``problem``'s operands carries in at least one column.
 

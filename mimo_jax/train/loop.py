@@ -215,6 +215,7 @@ class RLRun:
       timeout_s=d.reward_timeout_s,
       normalize=d.reward_normalization,
       format_weight=d.format_reward_weight,
+      digit_weight=d.digit_reward_weight,
       hacking_probe=d.reward_hacking_probe,
       json_weight=d.json_reward_weight if json_on else None,
       json_schema=load_json_schema(d.json_schema),
