@@ -394,6 +394,13 @@ class OptimConfig:
     choices=("fixed", "lr_linked"),
   )
   sft_learning_rate: float = field(1e-3, "Peak learning rate of the supervised warm-start phase.", gt=0)
+  sft_grad_clip: float = field(
+    1.0,
+    "Global-norm gradient clip of the supervised warm start (0: off). The warm start takes no other "
+    "optimizer flag (--grad_clip, --lr_schedule, --weight_decay, Adam's betas are the RL policy's): "
+    "changing an RL hyperparameter leaves the warm start as it was.",
+    ge=0,
+  )
   rm_learning_rate: float = field(1e-3, "--mode=reward_model: peak learning rate.", gt=0)
   master_dtype: str = field(
     "float32",

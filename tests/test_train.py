@@ -544,3 +544,25 @@ def test_the_samplers_behaviour_logprobs_stand_in_for_the_learners_behaviour_pas
   assert sampler_behaviour(_cfg(tmp_path)) and not sampler_behaviour(_cfg(tmp_path, "--async_rollout"))
   with pytest.raises(ConfigError, match="--behaviour_logprobs='sampler': needs synchronous rollout"):
     validate(_cfg(tmp_path, "--behaviour_logprobs=sampler", "--async_rollout"), jax.device_count())
+
+
+def test_the_warm_start_takes_its_own_optimizer_flags_not_the_rl_policys(tmp_path):
+  """A sweep point that couples --grad_clip to the LR (or a run that sets --weight_decay or a
+  constant schedule) must start RL from the same warm start: SFT reads only the sft_* flags."""
+  from mimo_jax.train.loop import RLRun
+
+  def warm(name, *extra):
+    run = RLRun(_cfg(tmp_path / name, "--mesh_fsdp=8", *extra), str(tmp_path / name))
+    run.open_logger(None)
+    try:
+      params = run.sft(run.fresh_state("sft"), 0).params
+      return jax.tree.map(np.asarray, params)
+    finally:
+      run.close()
+
+  base = warm("base")
+  rl_flags = warm("rl", "--grad_clip=0.05", "--weight_decay=0.1", "--lr_schedule=constant", "--adam_b2=0.9")
+  jax.tree.map(np.testing.assert_array_equal, base, rl_flags)
+  # The warm start's own clip does apply (the tiny model's SFT gradients are far above 0.05).
+  clipped = warm("sft_clip", "--sft_grad_clip=0.05")
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(clipped), strict=True))

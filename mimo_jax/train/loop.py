@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 
 from mimo_jax import multihost, sharding
 from mimo_jax.ckpt.manager import abstract_like
-from mimo_jax.config import Config
+from mimo_jax.config import Config, OptimConfig
 from mimo_jax.config_base import ConfigError
 from mimo_jax.eval.evaluator import default_ks, eval_rows, evaluate_policy
 from mimo_jax.models import Transformer, ValueModel, create_sharded, load_hf
@@ -83,6 +83,23 @@ def task_metrics(problems: list[Any], rewards: Any, group_size: int) -> dict[str
     out[f"task/{name}/reward_mean"] = float(rewards.logged[rows].mean())
     out[f"task/{name}/accuracy"] = float(rewards.correct[rows].mean())
   return out
+
+
+def sft_optimizer_config(cfg: Config) -> OptimConfig:
+  """The supervised warm start's optimizer: ``--sft_learning_rate`` and ``--sft_grad_clip`` on a
+  short warm-up and a cosine decay, everything else at its default but the master dtype. It takes
+  none of the RL policy's optimizer flags, so a run (or a sweep's coupled point) that changes
+  ``--grad_clip``, ``--weight_decay`` or the schedule starts RL from the same warm start."""
+  d = OptimConfig()
+  return dataclasses.replace(
+    d,
+    learning_rate=cfg.optim.sft_learning_rate,
+    warmup_steps=min(10, cfg.run.sft_steps // 10),
+    grad_clip=cfg.optim.sft_grad_clip,
+    sft_learning_rate=cfg.optim.sft_learning_rate,
+    sft_grad_clip=cfg.optim.sft_grad_clip,
+    master_dtype=cfg.optim.master_dtype,
+  )
 
 
 def resolve_run_dir(cfg: Config) -> str:
@@ -242,7 +259,7 @@ class RLRun:
     self.eval_rows = eval_rows(len(self.heldout), shards)
 
     # ---- optimizers and jitted steps
-    sft_optim = dataclasses.replace(cfg.optim, warmup_steps=min(10, cfg.run.sft_steps // 10))
+    sft_optim = sft_optimizer_config(cfg)
     self.sft_tx, self.sft_schedule = make_optimizer(
       sft_optim, max(cfg.run.sft_steps, 1), peak=cfg.optim.sft_learning_rate
     )
