@@ -26,8 +26,6 @@ INSTALL_REQUIRES = [
 EXTRAS = {
   # Hugging Face tokenizer.json support (Llama-3 / Qwen tokenizers).
   "hf": ["tokenizers>=0.22"],
-  # Oracles for tests and conversion: transformers on CPU torch (pin the CPU wheel).
-  # sympy: the math reward's symbolic-equivalence tests (also a dependency of torch; named so they never skip).
   # The run and sweep reports' plots (python -m mimo_jax.report, python -m mimo_jax.sweep).
   "report": ["matplotlib==3.10.9"],
   # Weights & Biases logging (--wandb_project); TensorBoard and the run directory's files stay the default.
@@ -35,16 +33,18 @@ EXTRAS = {
   "test": [
     "pytest>=8",
     "ruff>=0.6",
+    # Oracles for tests and conversion: transformers on CPU torch (pin the CPU wheel).
     "torch==2.13.0",
     "transformers==5.24.0",
     "tokenizers>=0.22",
+    # The math reward's symbolic-equivalence tests (also a dependency of torch; named so they never skip).
     "sympy>=1.12",
     "matplotlib==3.10.9",
-    "selenium==4.50.0",
+    "selenium==4.50.0",  # drives Debian's chromium for the report's browser test (make browser installs it)
     "wandb==0.30.0",  # the offline W&B test
     "nbclient==0.11.0",  # executes notebooks/quickstart.ipynb
     "nbformat==5.11.1",
-    "ipykernel==7.4.0",  # drives Debian's chromium for the report's browser test (make browser installs it)
+    "ipykernel==7.4.0",
   ],
   "gpu": [f"jax[cuda12]=={JAX_VERSION}"],
   "tpu": [f"jax[tpu]=={JAX_VERSION}"],

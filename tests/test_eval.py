@@ -419,6 +419,14 @@ def test_keep_best_keeps_the_best_evaluated_policy_beside_the_last_ones(tmp_path
   rc, res, err = _cli(capsys, f"--checkpoint={run_dir / 'best' / str(kept[0])}")
   assert rc == 0, err
   assert (res["phase"], res["step"], res["greedy_accuracy"]) == ("rl", best_rl_step, best)
+  # --all takes best/'s checkpoint too once --keep_last has dropped it from checkpoints/.
+  shutil.rmtree(run_dir / "checkpoints" / str(kept[0]), ignore_errors=True)
+  left = sorted(int(n) for n in os.listdir(run_dir / "checkpoints") if n.isdigit())
+  rc, res, err = _cli(capsys, f"--run_dir={run_dir}", "--all")
+  assert rc == 0, err
+  rows = [json.loads(line) for line in open(run_dir / "eval_curve.jsonl")]
+  assert [r["checkpoint_step"] for r in rows] == sorted([*left, kept[0]])
+  assert next(r["greedy_accuracy"] for r in rows if r["checkpoint_step"] == kept[0]) == best
 
 
 def test_keep_best_names_a_held_out_metric():

@@ -157,6 +157,26 @@ def test_the_report_of_a_live_run(run_dir, tmp_path, capsys):
   assert "not a run directory" in capsys.readouterr().err
 
 
+def test_the_report_draws_the_evaluation_of_every_kept_checkpoint(run_dir, tmp_path):
+  """`python -m mimo_jax.eval --run_dir=RUN --all` writes eval_curve.jsonl; the redrawn report adds its
+  RL checkpoints to the held-out figure, so a curve that falls while the reward rises is visible."""
+  from mimo_jax.eval.__main__ import main as evaluate
+  from mimo_jax.report.__main__ import main as report
+
+  copy = tmp_path / "run"
+  shutil.copytree(run_dir, copy)
+  images = open(copy / "report.html", encoding="utf-8").read().count("<img ")
+  assert "eval_curve.jsonl" not in open(copy / "report.html", encoding="utf-8").read()
+  assert evaluate(["prog", f"--run_dir={copy}", "--all"]) == 0
+  rows = [json.loads(line) for line in open(copy / "eval_curve.jsonl")]
+  rl = [r for r in rows if r["phase"] == "rl"]
+  assert len(rl) >= 2
+  assert report([str(copy)]) == 0
+  text = open(copy / "report.html", encoding="utf-8").read()
+  assert f"squares: {len(rl)} kept checkpoints evaluated afterwards (eval_curve.jsonl)" in text
+  assert text.count("<img ") == images  # drawn into the held-out figure, not a figure of its own
+
+
 def _wandb_records(path: str) -> list[bytes]:
   """The records of a W&B ``.wandb`` file, read independently of W&B's own (Go) reader: a 7-byte file
   header, then LevelDB-log records (crc32c, length, type: full / first / middle / last) in 32 KiB

@@ -248,7 +248,7 @@ def test_end_to_end_run_writes_the_run_directory(tmp_path, capsys):
     assert r["time_score_s"] == pytest.approx(r["time_train_s"] * share) and 0 < share < 1
   assert sorted({k for r in lines for k in r if describe(k) is None}) == []  # the README's naming table
   summary = json.loads((tmp_path / "summary.json").read_text())
-  assert summary["seed"] == 0 and summary["rl_steps"] == 3
+  assert summary["seed"] == 0 and summary["rl_steps"] == 3 and summary["final_checkpoint_s"] > 0
   # The compute ledger: per-step phases add up, the totals accumulate, and the summary holds them.
   assert all(
     r["flops_step"] == r["flops_generate"] + r["flops_score"] + r["flops_reference"] + r["flops_learn"] for r in rl

@@ -567,7 +567,8 @@ _SETTINGS = ("eval_prompts", "eval_samples", "eval_temperature", "ks", "eval_see
 
 
 def evaluate_all(run_dir: str, *, seed: int = 0, on_result: Callable[[dict], None] | None = None, **kwargs):
-  """Evaluates every kept checkpoint of a run, oldest first, into ``<run_dir>/eval_curve.jsonl``.
+  """Evaluates every kept checkpoint of a run, oldest first, into ``<run_dir>/eval_curve.jsonl``
+  (``best/``'s checkpoint too, where ``--keep_best`` kept one that ``--keep_last`` has dropped).
 
   One JSON row per checkpoint (:func:`evaluate_checkpoint`'s result plus ``eval_seed``), the file
   rewritten atomically after each one, so a killed evaluation keeps what it finished; rerun with the
@@ -595,7 +596,10 @@ def evaluate_all(run_dir: str, *, seed: int = 0, on_result: Callable[[dict], Non
         except json.JSONDecodeError:
           continue
         done[int(row["checkpoint_step"])] = row
-  steps = _step_dirs(os.path.join(run_dir, "checkpoints"))
+  # The kept checkpoints, and the best one (--keep_best) where it is no longer among them.
+  folders = {step: "best" for step in _step_dirs(os.path.join(run_dir, "best"))}
+  folders.update({step: "checkpoints" for step in _step_dirs(os.path.join(run_dir, "checkpoints"))})
+  steps = sorted(folders)
   rows: list[dict] = []
   settings: tuple | None = None
   for step in steps:
@@ -603,7 +607,7 @@ def evaluate_all(run_dir: str, *, seed: int = 0, on_result: Callable[[dict], Non
     if previous is not None and settings is not None and tuple(previous.get(k) for k in _SETTINGS) == settings:
       rows.append(previous)
       continue
-    row = evaluate_checkpoint(os.path.join(run_dir, "checkpoints", str(step)), seed=seed, **kwargs)
+    row = evaluate_checkpoint(os.path.join(run_dir, folders[step], str(step)), seed=seed, **kwargs)
     row["eval_seed"] = seed
     settings = tuple(row.get(k) for k in _SETTINGS)
     rows.append(row)

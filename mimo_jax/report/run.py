@@ -1,7 +1,8 @@
 """The run report: ``RUN_DIR/report.html`` from the run directory's own files, for a live run too.
 
 It reads only what the trainer writes (``config.json``, ``metrics.jsonl``, ``histograms.jsonl``,
-``samples.jsonl``, ``alarms.jsonl``, ``summary.json``), takes no lock and changes nothing else, so it
+``samples.jsonl``, ``alarms.jsonl``, ``summary.json``) and what ``python -m mimo_jax.eval --all``
+adds (``eval_curve.jsonl``), takes no lock and changes nothing else, so it
 can be redrawn while the run goes on (a line cut by the writer is skipped).  The page, in the order
 one debugs a run: what state it is in; the reward and held-out curves; then the reports' diagnosis
 order for a collapse (value loss, entropy, KL), the clip fractions, lengths and time split; the
@@ -48,6 +49,8 @@ def load_run(run_dir: str) -> dict[str, Any]:
     "histograms": read_jsonl(f("histograms.jsonl")),
     "samples": read_jsonl(f("samples.jsonl")),
     "alarms": read_jsonl(f("alarms.jsonl")),
+    # `python -m mimo_jax.eval --run_dir=RUN --all`: every kept checkpoint, evaluated afterwards.
+    "eval_curve": [r for r in read_jsonl(f("eval_curve.jsonl")) if r.get("phase") == "rl"],
     "updated": os.path.getmtime(f("metrics.jsonl")) if os.path.exists(f("metrics.jsonl")) else None,
   }
 
@@ -123,15 +126,21 @@ def run_report(run: Mapping[str, Any]) -> Page:
     ),
     "the raw reward of the trained batch (shaped or normalised values on their own keys); alarms as dotted lines",
   )
+  curve = {"greedy_accuracy (eval --all)": series(run.get("eval_curve", []), "greedy_accuracy")}
   page.figure(
     lines(
-      {k[5:]: series(evals, k) for k in keys},
+      {**{k[5:]: series(evals, k) for k in keys}, **curve},
       title="Held-out evaluation",
       ylabel="accuracy",
       marks=marks,
-      styles={k[5:]: "o-" for k in keys},
+      styles={**{k[5:]: "o-" for k in keys}, **dict.fromkeys(curve, "s:")},
     ),
-    f"greedy accuracy, pass@k and maj@k on the held-out prompts (step 0: the warm start; {fmt(max_steps)} + 1: final)",
+    f"greedy accuracy, pass@k and maj@k on the held-out prompts (step 0: the warm start; {fmt(max_steps)} + 1: final)"
+    + (
+      f"; squares: {len(run['eval_curve'])} kept checkpoints evaluated afterwards (eval_curve.jsonl)"
+      if run.get("eval_curve")
+      else ""
+    ),
   )
   page.heading("Diagnosis order: value loss, entropy, KL", anchor="diagnosis")
   if any("value_loss" in r for r in rl):

@@ -1132,6 +1132,8 @@ def _finish(
     "rl_steps": cfg.run.max_steps,
     "wall_time_s": round(time.perf_counter() - t_start, 1),
     "sft_time_s": round(sft_s, 1),
+    # The last step's save comes after the final evaluation, so no step record can hold its time.
+    "final_checkpoint_s": round(run.last_checkpoint_s, 3),
     "resumed_from": None if restored is None else {"phase": restored.phase, "step": restored.step},
     "warm_start": warm,
     "final": final,

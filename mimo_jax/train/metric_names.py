@@ -2,8 +2,9 @@
 
 Rules the names follow:
 
-- ``reward_*`` and ``accuracy`` are always the **raw** reward (the mix of the reward sources, before any
-  shaping); shaped or normalised values have their own keys (``shaped_reward_mean``).
+- ``reward_mean``, ``reward_std``, ``reward_hist`` and ``accuracy`` are always the **raw** reward (the
+  mix of the reward sources, before any shaping); a derived value names its derivation in its key
+  (``shaped_reward_mean``, ``reward_normalized_mean``, ``reward_ema_*``).
 - ``reward/<component>_*`` are per reward component; ``eval/*`` are held-out evaluations.
 - ``time_<what>_s`` are wall seconds of one step's part; ``mem_*_gib`` are GiB of device memory.
 - ``*_now`` and ``*_coef`` are the value a controller set for this step.
@@ -107,7 +108,7 @@ METRICS: tuple[tuple[str, str], ...] = (
   ("tokens_total", "prompt + completion tokens trained on so far"),
   (
     "time_*_s",
-    "seconds of the step's parts: `generate`, `reward`, `train` (the learner program, scoring included; split into `score` and `update` by their counted FLOPs, the program being one), `checkpoint` (this step's own save), `produce`, `step`, and each side's idle time",
+    "seconds of the step's parts: `generate`, `reward`, `train` (the learner program, scoring included; split into `score` and `update` by their counted FLOPs, the program being one), `checkpoint` (how long this step's own save held the loop; the last step's is `final_checkpoint_s` in summary.json), `produce`, `step`, and each side's idle time",
   ),
   (
     "mem_*_gib",
