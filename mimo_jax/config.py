@@ -649,7 +649,12 @@ class LoggingConfig:
     gt=0,
     lt=1,
   )
-  alarm_lr_factor: float = field(0.5, "With --on_alarm=rollback: multiply the learning rate by this.", gt=0, le=1)
+  alarm_lr_factor: float = field(
+    0.5,
+    "With --on_alarm=rollback: multiply the learning rate by this (for a value_loss_spike the critic's too).",
+    gt=0,
+    le=1,
+  )
   alarm_kl_factor: float = field(2.0, "With --on_alarm=rollback: multiply the KL coefficient by this.", ge=1)
 
   def __post_init__(self):

@@ -1,5 +1,6 @@
 """Failure-shape alarms: each detector provoked on a curve of its shape (and quiet on healthy ones), the
-record it writes, and a run whose huge learning rate an alarm rolls back."""
+record it writes, and real runs whose KL blow-up, entropy collapse, length explosion or value-loss spike
+an alarm catches and rolls back."""
 
 from __future__ import annotations
 
@@ -166,6 +167,104 @@ def test_a_huge_learning_rate_is_caught_rolled_back_and_damped(tmp_path, capsys)
   assert rl[-1]["kl_coef"] == pytest.approx(0.001 * 2 * 2)
   summary = json.loads((run_dir / "summary.json").read_text())
   assert summary["alarm_rollbacks"] == 2
+
+
+# Every other detector is switched off (its threshold out of reach), so the one under test, at its shipped
+# threshold, is the only one that can fire and roll back.
+SILENCE = {
+  "reward_collapse": "--alarm_reward_min_rise=1e9",
+  "entropy_collapse": "--alarm_entropy_floor=1e-9",
+  "kl_blowup": "--alarm_kl_max=1e9",
+  "value_loss_spike": "--alarm_value_spike=1e9",
+  "length_explosion": "--alarm_length_growth=1e9",
+  "grad_norm_collapse": "--alarm_grad_floor=1e-9",
+  "reward_jitter": "--alarm_jitter_acf=0.999999",
+}
+# How each shape is provoked in a real run of the tiny model, the threshold its evidence crossed (the
+# shipped one, but for the value-loss spike), and what the first step after the rollback shows instead.
+PROVOKED = {
+  # A learning rate 250x the default on a dense reward (the digits in place): the policy sharpens onto
+  # whatever it samples until every group's samples are alike (entropy 2.0 -> below 0.01 nats in ~8 steps).
+  "entropy_collapse": (
+    ["--learning_rate=0.05", "--digit_reward_weight=1"],
+    lambda e: e["entropy_smoothed"] < 0.1 * e["first"],
+    lambda r, e: r["entropy"] >= 0.1 * e["first"],
+  ),
+  # The same learning rate, reached over 4 warm-up steps, with room to ramble: the end-of-sequence token
+  # loses its mass and answers of ~3 tokens run to the 16-token limit.
+  "length_explosion": (
+    ["--learning_rate=0.05", "--warmup_steps=4", "--digit_reward_weight=1", "--max_new_tokens=16"],
+    lambda e: e["response_len_smoothed"] > 3.0 * e["first"],
+    lambda r, e: r["response_len"] <= 3.0 * e["first"],
+  ),
+  # PPO's critic at 100x ppo_tiny's learning rate on a dense reward (returns that are not all 0): its loss
+  # swings from step to step, ~7x in one step at step 6; caught with the threshold flag at 5x the median
+  # of the window before (the first update's 1000x overshoot comes before the detector has a window to compare it with).
+  "value_loss_spike": (
+    [
+      "--advantage=gae",
+      "--use_value_model",
+      "--value_learning_rate=0.1",
+      "--digit_reward_weight=1",
+      "--alarm_value_spike=5",
+    ],
+    lambda e: e["value_loss"] > 5.0 * e["median_before"],
+    lambda r, e: r["value_loss"] <= 5.0 * e["median_before"],
+  ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PROVOKED))
+def test_each_provoked_shape_is_caught_recorded_and_rolled_back(kind, tmp_path):
+  """A real run per failure shape, provoked as the reports saw it happen, caught at its threshold with
+  --on_alarm=rollback: the record (onset, evidence, diagnosis order, action), the rollback to a
+  checkpoint from before the onset, the intervention in effect on the redone steps, a completed run."""
+  from mimo_jax.main import main
+
+  run_dir = tmp_path / "run"
+  provoke, crossed, healthy = PROVOKED[kind]
+  flags = [
+    "--flagfile=" + os.path.join(ROOT, "experiments", "grpo_tiny.flags"),
+    "--model_preset=tiny",
+    "--sft_steps=40",
+    "--sft_batch_size=32",
+    "--max_steps=14",
+    "--prompts_per_step=8",
+    "--num_samples=4",
+    "--eval_every=0",
+    "--eval_prompts=8",
+    "--eval_samples=2",
+    "--checkpoint_every=1",
+    "--keep_last=20",
+    "--tensorboard=false",
+    "--warmup_steps=0",
+    "--alarm_window=2",
+    "--on_alarm=rollback",
+    "--max_alarm_rollbacks=1",
+    *(flag for k, flag in SILENCE.items() if k != kind),
+    *provoke,
+    f"--run_dir={run_dir}",
+  ]
+  assert main(["prog", *flags]) == 0
+  rows = [json.loads(line) for line in open(run_dir / "alarms.jsonl")]
+  assert rows and {r["kind"] for r in rows} == {kind}
+  first = rows[0]
+  assert first["action"].startswith("rolled back to RL step") and first["diagnosis"] == list(DIAGNOSIS[kind])
+  assert crossed(first["evidence"]) and first["onset"] <= first["step"]
+  back = int(first["action"].split("RL step ")[1].split(";")[0])
+  assert back <= first["onset"] - 2
+  assert all("spent" in r["action"] for r in rows[1:])  # one rollback allowed; later alarms are logged
+  rl = [m for m in map(json.loads, open(run_dir / "metrics.jsonl")) if "reward_mean" in m]
+  assert [m["step"] for m in rl] == list(range(1, 15))  # every step once: the rolled-back ones redone
+  # The intervention is in effect from the first redone step on: KL coefficient x2, the learning-rate
+  # scale x0.5 (the critic's too for a value-loss spike).
+  assert [m["kl_coef"] for m in rl] == pytest.approx([0.001] * back + [0.002] * (14 - back))
+  assert rl[-1]["alarm_rollbacks"] == 1
+  # The run went on from a policy from before the shape: the first redone step does not show it.
+  assert healthy(rl[back], first["evidence"])
+  if kind == "value_loss_spike":
+    assert [m["value_lr_scale"] for m in rl] == [1.0] * back + [0.5] * (14 - back)
+    assert "critic learning rate x0.5" in first["action"]
 
 
 def test_the_embedded_defaults_recorded_learning_curve_raises_nothing():

@@ -442,7 +442,7 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
       value, value_metrics = jax.lax.fori_loop(
         0, passes, lambda _, carry: value_update(carry[0], vbatch), (state.value, empty)
       )
-      value_metrics = {**value_metrics, "value_passes": passes.astype(jnp.float32)}
+      value_metrics = {**value_metrics, "value_passes": passes.astype(jnp.float32), "value_lr_scale": value.lr_scale}
     # ---- controllers
     nan = jnp.float32(jnp.nan)
     # The KL to the reference (none without one: then no KL controller runs to read it).

@@ -894,13 +894,15 @@ class RLRun:
         if self.alarm_rollbacks >= lg.max_alarm_rollbacks:
           action = f"logged (--max_alarm_rollbacks={lg.max_alarm_rollbacks} spent)"
         else:
-          rolled = self._alarm_rollback(state, alarm.onset)
+          critic = alarm.kind == "value_loss_spike" and state.value is not None
+          rolled = self._alarm_rollback(state, alarm.onset, critic=critic)
           if rolled is None:
             action = f"logged (no RL checkpoint before the onset at step {alarm.onset})"
           else:
             action = (
               f"rolled back to RL step {rolled[1]}; learning rate x{lg.alarm_lr_factor:g}, "
-              f"KL coefficient x{lg.alarm_kl_factor:g} (alarm rollback {self.alarm_rollbacks} of "
+              + (f"critic learning rate x{lg.alarm_lr_factor:g}, " if critic else "")
+              + f"KL coefficient x{lg.alarm_kl_factor:g} (alarm rollback {self.alarm_rollbacks} of "
               f"{lg.max_alarm_rollbacks})"
             )
       row = alarm.record(action)
@@ -914,10 +916,13 @@ class RLRun:
       logging.warning(message)
     return rolled
 
-  def _alarm_rollback(self, state: LearnerState, onset: int) -> tuple[LearnerState, int] | None:
+  def _alarm_rollback(
+    self, state: LearnerState, onset: int, *, critic: bool = False
+  ) -> tuple[LearnerState, int] | None:
     """Restores the last RL checkpoint of step ``onset - 2`` or earlier with the alarm's intervention applied
     to the current values (so interventions compound: the learning-rate scale times ``alarm_lr_factor``,
-    the KL coefficient times ``alarm_kl_factor``).  None when there is no such checkpoint."""
+    the KL coefficient times ``alarm_kl_factor``; with ``critic`` (a value-loss spike) the critic's
+    learning-rate scale too).  None when there is no such checkpoint."""
     lg = self.cfg.logging
     if self.rollout is not None:
       self.rollout.stop()  # its batches came from the policy being rolled back; restarted at the next step
@@ -937,6 +942,8 @@ class RLRun:
     policy = restored.policy.replace(lr_scale=state.lr_scale * lg.alarm_lr_factor)
     kl = state.controllers.kl_coef * lg.alarm_kl_factor
     restored = restored.replace(policy=policy, controllers=restored.controllers.replace(kl_coef=kl))
+    if critic:
+      restored = restored.replace(value=restored.value.replace(lr_scale=state.value.lr_scale * lg.alarm_lr_factor))
     self._restore_rollout_side(meta)
     ctl = meta.get("controllers", {})
     self.ledger.load_state_dict(ctl.get("ledger"))

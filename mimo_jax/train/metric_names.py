@@ -91,7 +91,7 @@ METRICS: tuple[tuple[str, str], ...] = (
   ),
   (
     "value_*",
-    "critic: `value_loss`, `value_mean`, `value_pred_mean`, `value_grad_norm`, `value_update_norm`, `value_passes`, `value_skipped`",
+    "critic: `value_loss`, `value_mean`, `value_pred_mean`, `value_grad_norm`, `value_update_norm`, `value_passes`, `value_skipped`, `value_lr_scale` (the critic's learning-rate scale: a value-loss alarm's rollback lowers it)",
   ),
   ("vf_clipfrac", "fraction of value predictions clipped"),
   ("explained_variance", "critic's explained variance of the returns (1 perfect, <= 0 useless)"),
