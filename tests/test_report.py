@@ -229,6 +229,17 @@ def test_weights_and_biases_offline_gets_the_same_records(run_dir):
     scalars = {k: v for k, v in r.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
     assert {k: history[r["step"]][k] for k in scalars} == scalars
   assert history[3]["reward_hist/_type"] == "histogram" and history[3]["samples/_type"] == "table-file"
+  # The KL alarm of step 4 rides on step 4's row as a table (one history row per step), and no other.
+  assert [s for s in sorted(history) if "alarms/_type" in history[s]] == [4]
+  media = os.path.join(runs[0], "files", "media", "table")
+  (alarms,) = [json.load(open(p)) for p in glob.glob(os.path.join(media, "alarms_*.table.json"))]
+  assert alarms["columns"][:3] == ["step", "kind", "onset"] and [row[:2] for row in alarms["data"]] == [
+    [4, "kl_blowup"]
+  ]
+  # The samples table has every field of samples.jsonl's rows.
+  samples = [json.loads(line) for line in open(run_dir / "samples.jsonl")]
+  tables = [json.load(open(p)) for p in glob.glob(os.path.join(media, "samples_*.table.json"))]
+  assert tables and all(set(samples[0]) - {"row"} <= set(t["columns"]) for t in tables)
   assert config["optim"]["learning_rate"] == 2e-4 and config["logging"]["wandb_mode"] == "offline"
 
 

@@ -238,7 +238,7 @@ class Alarms:
       if kind in holding and kind not in self.active:
         onset, evidence = holding[kind]
         self.active[kind] = onset
-        evidence = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in evidence.items()}
+        evidence = {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in evidence.items()}
         fired.append(Alarm(step=step, kind=kind, onset=onset, evidence=evidence))
       elif kind not in holding:
         self.active.pop(kind, None)

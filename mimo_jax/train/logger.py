@@ -166,6 +166,8 @@ class MetricsLogger:
     """Appends one ``alarms.jsonl`` row (process 0)."""
     if self._alarms is not None:
       self._alarms.write(json.dumps(row) + "\n")
+    if self._wandb is not None:
+      self._wandb.alarm(row)
 
   def log(
     self,

@@ -1,5 +1,5 @@
-"""Weights & Biases, optional: the same records, histograms and samples as ``metrics.jsonl``,
-``histograms.jsonl`` and ``samples.jsonl``, to a W&B run (``--wandb_project``).
+"""Weights & Biases, optional: the same records, histograms, samples and alarms as ``metrics.jsonl``,
+``histograms.jsonl``, ``samples.jsonl`` and ``alarms.jsonl``, to a W&B run (``--wandb_project``).
 
 TensorBoard and the JSON-lines files stay the record of the run; W&B is a view of it.  Decisions:
 
@@ -17,6 +17,8 @@ TensorBoard and the JSON-lines files stay the record of the run; W&B is a view o
 
 from __future__ import annotations
 
+import json
+
 import os
 import secrets
 from collections.abc import Mapping, Sequence
@@ -30,11 +32,17 @@ ID_FILE = "wandb_id"
 
 
 class WandbSink:
-  """Logs each step's record, histograms and samples to one W&B run."""
+  """Logs each step's record, histograms, samples and alarms to one W&B run."""
 
   def __init__(self, run: Any, wandb: Any):
     self.run = run
     self._wandb = wandb
+    self._alarms: list[Mapping[str, Any]] = []
+
+  def alarm(self, row: Mapping[str, Any]) -> None:
+    """An ``alarms.jsonl`` row: sent as the ``alarms`` table of the next logged step (the alarm's own
+    step, or after a rollback the first redone one), so W&B's history keeps one row per step."""
+    self._alarms.append(row)
 
   def log(
     self,
@@ -52,19 +60,38 @@ class WandbSink:
       if x.size:
         data[k] = self._wandb.Histogram(x)
     if samples:
+      # Every field of a samples.jsonl row; the reward components as one JSON column.
       columns = [
         "step",
         "kind",
         "prompt_id",
+        "uid",
+        "task",
+        "batch_id",
         "policy_version",
+        "temperature",
+        "top_k",
+        "top_p",
         "reward",
+        "correct",
+        "components",
         "length",
         "finish_reason",
         "kl",
+        "prompt_kl",
         "prompt",
         "completion",
       ]
-      data["samples"] = self._wandb.Table(columns=columns, data=[[s.get(c) for c in columns] for s in samples])
+      rows = [[json.dumps(s[c]) if c == "components" and c in s else s.get(c) for c in columns] for s in samples]
+      data["samples"] = self._wandb.Table(columns=columns, data=rows)
+    if self._alarms:
+      columns = ["step", "kind", "onset", "evidence", "look first at", "action"]
+      rows = [
+        [a["step"], a["kind"], a["onset"], json.dumps(a["evidence"]), a["diagnosis"][0], a["action"]]
+        for a in self._alarms
+      ]
+      data["alarms"] = self._wandb.Table(columns=columns, data=rows)
+      self._alarms = []
     self.run.log(data)
 
   def close(self) -> None:
