@@ -18,7 +18,6 @@ TensorBoard and the JSON-lines files stay the record of the run; W&B is a view o
 from __future__ import annotations
 
 import json
-
 import os
 import secrets
 from collections.abc import Mapping, Sequence
