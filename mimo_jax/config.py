@@ -512,6 +512,19 @@ class DataConfig:
     (0.4, 0.7), "Target pass-rate band of the curriculum (low,high).", items=float, length=2, ge=0, le=1
   )
   curriculum_pool: int = field(256, "Candidate prompts the curriculum chooses from (refreshed from the task).", ge=1)
+  data_order: str = field(
+    "sample",
+    "How RL prompts are drawn: sample (uniformly with replacement), shuffle (epochs over the training prompts, "
+    "each in a fresh order) or sequential (epochs in one fixed order: file order, or the drawn order of "
+    "--train_prompts for the built-in arithmetic task). The position is checkpointed.",
+    choices=("sample", "shuffle", "sequential"),
+  )
+  train_prompts: int = field(
+    0,
+    "Train RL on this many prompts only: the first N of the training file, or N drawn once for the built-in "
+    "arithmetic task (generated without end, so shuffle and sequential need it); 0: all.",
+    ge=0,
+  )
 
   def __post_init__(self):
     check_fields(self)
@@ -535,6 +548,16 @@ class DataConfig:
     low, high = self.curriculum_band
     check(
       low < high, "curriculum_band", format_list(self.curriculum_band), "expected low,high with 0 <= low < high <= 1"
+    )
+    for name, used in (("data_order", self.data_order != "sample"), ("train_prompts", self.train_prompts > 0)):
+      value = getattr(self, name)
+      check(not used or not self.curriculum, name, value, "does not combine with --curriculum (it picks its prompts)")
+      check(not used or not self.is_mixture, name, value, f"does not combine with a mixture (--task={self.task})")
+    check(
+      self.data_order == "sample" or self.train_prompts > 0 or self.task != "arith",
+      "data_order",
+      self.data_order,
+      "needs --train_prompts=N with --task=arith (its problems are generated without end)",
     )
 
   @property
@@ -621,7 +644,8 @@ class LoggingConfig:
   on_alarm: str = field(
     "log",
     "What a firing alarm does: log (RUN_DIR/alarms.jsonl and the log) or rollback (also restore the last "
-    "checkpoint before the alarm's onset and continue with --alarm_lr_factor and --alarm_kl_factor applied).",
+    "checkpoint before the alarm's onset and continue with --alarm_lr_factor and --alarm_kl_factor applied; "
+    "a reward_jitter alarm instead reshuffles a --data_order=sequential prompt order, without a rollback).",
     choices=("log", "rollback"),
   )
   max_alarm_rollbacks: int = field(2, "With --on_alarm=rollback: at most this many alarm rollbacks per run.", ge=0)

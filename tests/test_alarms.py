@@ -1,6 +1,7 @@
 """Failure-shape alarms: each detector provoked on a curve of its shape (and quiet on healthy ones), the
-record it writes, and real runs whose KL blow-up, entropy collapse, length explosion or value-loss spike
-an alarm catches and rolls back."""
+record it writes, and real runs whose KL blow-up, entropy collapse, length explosion, value-loss spike or
+grad-norm collapse an alarm catches and rolls back, and whose periodic reward from a fixed prompt order
+the alarm breaks by reshuffling."""
 
 from __future__ import annotations
 
@@ -76,10 +77,31 @@ def test_a_value_loss_spike_fires_per_spike_and_clears_between():
   assert fired[0].evidence == {"value_loss": 5.0, "median_before": 0.1}
 
 
-def test_grad_norm_of_steps_without_a_learning_signal_is_not_a_collapse():
-  # All groups equal: no gradient is expected; those steps are not evidence.
-  series = [{}] * 10 + [{"grad_norm": 0.0, "frac_groups_all_equal": 1.0}] * 20
-  assert _feed(series) == []
+def test_a_solved_batch_is_not_a_grad_norm_collapse_but_a_stuck_one_is():
+  # Every sample correct: nothing left to learn, no gradient expected; those steps are not evidence.
+  solved = [{"grad_norm": 0.0, "frac_groups_all_equal": 1.0, "accuracy": 1.0}] * 20
+  assert _feed([{}] * 10 + solved) == []
+  # Every group alike but not solved (a saturated policy repeating its wrong answers): the shape itself.
+  stuck = [{"grad_norm": 1e-6, "frac_groups_all_equal": 1.0, "accuracy": 0.25}] * 20
+  fired = _feed([{}] * 10 + stuck)
+  assert [a.kind for a in fired] == ["grad_norm_collapse"] and fired[0].evidence["first"] == 1.0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_noisy_plateau_on_a_small_batch_is_not_a_reward_collapse(seed):
+  """8 prompts x 8 samples a step (per-step reward noise ~0.1) over 800 steps: a rise, then a plateau whose
+  highest and lowest 10-step means lie ~0.2 apart.  Without the noise margin this fired on most seeds
+  (a rise of 0.05 losing half of it is two standard errors here); a real collapse on the same noise fires."""
+  rng = np.random.default_rng(seed)
+  t = np.arange(800)
+  level = 0.45 + 0.3 * (1 - np.exp(-t / 60))
+  noisy = np.clip(level + rng.normal(0, 0.1, 800), 0, 1)
+  settings = AlarmSettings()  # the shipped thresholds, window 10
+  assert _feed([{"reward_mean": float(r)} for r in noisy], settings) == []
+  collapsed = np.where(t < 500, noisy, np.clip(0.25 + rng.normal(0, 0.1, 800), 0, 1))
+  fired = _feed([{"reward_mean": float(r)} for r in collapsed], settings)
+  assert [a.kind for a in fired] == ["reward_collapse"] and 500 < fired[0].step <= 515
+  assert fired[0].evidence["noise_margin"] > 0.1
 
 
 def test_periodic_reward_jitter_is_found_with_its_period():
@@ -118,20 +140,15 @@ def test_the_detectors_resume_from_their_state_as_if_never_stopped():
   assert fired == whole
 
 
-def test_a_huge_learning_rate_is_caught_rolled_back_and_damped(tmp_path, capsys):
-  """Learning rate 0.5 and a strong entropy bonus on the tiny model (a gradient whatever the rewards): the
-  KL to the reference blows up within a few steps.  With
-  --on_alarm=rollback the alarm restores the policy from before the damage with the learning rate halved
-  and the KL coefficient doubled, twice at most, and the run completes; every alarm is on record."""
-  from mimo_jax.main import main
-
-  run_dir = tmp_path / "run"
-  flags = [
+def _rollback_run(run_dir, *, sft_steps: int, max_steps: int, rollbacks: int) -> list[str]:
+  """A short real run of the tiny model that checkpoints every step and acts on its alarms (a window of 2
+  steps) with --on_alarm=rollback; the caller adds what provokes the shape."""
+  return [
     "--flagfile=" + os.path.join(ROOT, "experiments", "grpo_tiny.flags"),
     "--model_preset=tiny",
-    "--sft_steps=30",
+    f"--sft_steps={sft_steps}",
     "--sft_batch_size=32",
-    "--max_steps=12",
+    f"--max_steps={max_steps}",
     "--prompts_per_step=8",
     "--num_samples=4",
     "--eval_every=0",
@@ -140,15 +157,24 @@ def test_a_huge_learning_rate_is_caught_rolled_back_and_damped(tmp_path, capsys)
     "--checkpoint_every=1",
     "--keep_last=20",
     "--tensorboard=false",
-    "--learning_rate=0.5",
-    "--entropy_coef=0.5",
     "--warmup_steps=0",
     "--alarm_window=2",
     "--on_alarm=rollback",
-    "--max_alarm_rollbacks=2",
+    f"--max_alarm_rollbacks={rollbacks}",
     f"--run_dir={run_dir}",
   ]
-  assert main(["prog", *flags]) == 0
+
+
+def test_a_huge_learning_rate_is_caught_rolled_back_and_damped(tmp_path, capsys):
+  """Learning rate 0.5 and a strong entropy bonus on the tiny model (a gradient whatever the rewards): the
+  KL to the reference blows up within a few steps.  With
+  --on_alarm=rollback the alarm restores the policy from before the damage with the learning rate halved
+  and the KL coefficient doubled, twice at most, and the run completes; every alarm is on record."""
+  from mimo_jax.main import main
+
+  run_dir = tmp_path / "run"
+  flags = _rollback_run(run_dir, sft_steps=30, max_steps=12, rollbacks=2)
+  assert main(["prog", *flags, "--learning_rate=0.5", "--entropy_coef=0.5"]) == 0
   out = capsys.readouterr().out
   rows = [json.loads(line) for line in open(run_dir / "alarms.jsonl")]
   rolled = [r for r in rows if r["action"].startswith("rolled back to RL step")]
@@ -197,6 +223,13 @@ PROVOKED = {
     lambda e: e["response_len_smoothed"] > 3.0 * e["first"],
     lambda r, e: r["response_len"] <= 3.0 * e["first"],
   ),
+  # The same learning rate with nothing to damp it: the softmax saturates, every group's samples come out
+  # alike while most answers are still wrong, and the gradient norm falls ~1000x in two steps (0.4 -> 4e-4).
+  "grad_norm_collapse": (
+    ["--learning_rate=0.05", "--digit_reward_weight=1"],
+    lambda e: e["grad_norm_smoothed"] < 0.01 * e["first"],
+    lambda r, e: r["grad_norm"] >= 0.01 * e["first"],
+  ),
   # PPO's critic at 100x ppo_tiny's learning rate on a dense reward (returns that are not all 0): its loss
   # swings from step to step, ~7x in one step at step 6; caught with the threshold flag at 5x the median
   # of the window before (the first update's 1000x overshoot comes before the detector has a window to compare it with).
@@ -223,29 +256,9 @@ def test_each_provoked_shape_is_caught_recorded_and_rolled_back(kind, tmp_path):
 
   run_dir = tmp_path / "run"
   provoke, crossed, healthy = PROVOKED[kind]
-  flags = [
-    "--flagfile=" + os.path.join(ROOT, "experiments", "grpo_tiny.flags"),
-    "--model_preset=tiny",
-    "--sft_steps=40",
-    "--sft_batch_size=32",
-    "--max_steps=14",
-    "--prompts_per_step=8",
-    "--num_samples=4",
-    "--eval_every=0",
-    "--eval_prompts=8",
-    "--eval_samples=2",
-    "--checkpoint_every=1",
-    "--keep_last=20",
-    "--tensorboard=false",
-    "--warmup_steps=0",
-    "--alarm_window=2",
-    "--on_alarm=rollback",
-    "--max_alarm_rollbacks=1",
-    *(flag for k, flag in SILENCE.items() if k != kind),
-    *provoke,
-    f"--run_dir={run_dir}",
-  ]
-  assert main(["prog", *flags]) == 0
+  flags = _rollback_run(run_dir, sft_steps=40, max_steps=14, rollbacks=1)
+  silence = [flag for k, flag in SILENCE.items() if k != kind]
+  assert main(["prog", *flags, *silence, *provoke]) == 0
   rows = [json.loads(line) for line in open(run_dir / "alarms.jsonl")]
   assert rows and {r["kind"] for r in rows} == {kind}
   first = rows[0]
@@ -265,6 +278,86 @@ def test_each_provoked_shape_is_caught_recorded_and_rolled_back(kind, tmp_path):
   if kind == "value_loss_spike":
     assert [m["value_lr_scale"] for m in rl] == [1.0] * back + [0.5] * (14 - back)
     assert "critic learning rate x0.5" in first["action"]
+
+
+@pytest.mark.parametrize("async_rollout", [False, True], ids=["sync", "async"])
+def test_a_fixed_prompt_order_jitters_and_the_alarm_reshuffles_it(async_rollout, tmp_path):
+  """A repeating data pipeline, as the reports saw it: 16 prompts in file order (8 easy, then 8 the model
+  cannot answer), 8 a step, so the reward alternates.  The jitter alarm finds period 2 and, with
+  --on_alarm=rollback, breaks the order into shuffled epochs from the next batch made on, with no
+  rollback (async: the batch the producer already made keeps the old order)."""
+  from mimo_jax.main import main
+
+  easy = [{"prompt": f"Easy question {i}: write the number seven.", "answer": "7"} for i in range(8)]
+  codes = np.random.default_rng(0).integers(100_000, 1_000_000, 8)
+  hard = [{"prompt": f"Hard question {i}: the secret code?", "answer": str(c)} for i, c in enumerate(codes)]
+  heldout = [{"prompt": f"Held-out question {i}: write the number seven.", "answer": "7"} for i in range(4)]
+  for name, rows in (("train", easy + hard), ("test", heldout)):
+    (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  run_dir = tmp_path / "run"
+  flags = _rollback_run(run_dir, sft_steps=40, max_steps=32, rollbacks=1)
+  silence = [flag for k, flag in SILENCE.items() if k != "reward_jitter"]
+  data = [
+    "--task=jsonl",
+    f"--data_path={tmp_path / 'train.jsonl'}",
+    f"--eval_data_path={tmp_path / 'test.jsonl'}",
+    "--eval_prompts=4",
+    "--data_order=sequential",
+    "--alarm_window=4",  # 6 windows of 4 steps: enough values for the autocorrelation at 2 and 4 steps
+    "--log_samples=16",  # top 16 + bottom 16 of 32 rows: every row, so every step's prompts are on record
+  ]
+  assert main(["prog", *flags, *silence, *data, f"--async_rollout={str(async_rollout).lower()}"]) == 0
+  rows = [json.loads(line) for line in open(run_dir / "alarms.jsonl")]
+  assert rows and {r["kind"] for r in rows} == {"reward_jitter"}
+  first = rows[0]
+  s = first["step"]
+  assert first["evidence"]["period"] == 2 and first["evidence"]["autocorrelation"] > 0.6
+  assert first["diagnosis"][0].startswith("the data pipeline repeats")
+  # The first batch made after the alarm: the next step's, or (async, staleness 1) the one after it.
+  shuffled = s + 2 if async_rollout else s + 1
+  assert (
+    first["action"]
+    == f"prompt order reshuffled every epoch from RL step {shuffled} on (--data_order=sequential); no rollback"
+  )
+  rl = [m for m in map(json.loads, open(run_dir / "metrics.jsonl")) if "reward_mean" in m]
+  assert [m["step"] for m in rl] == list(range(1, 33)) and rl[-1]["alarm_rollbacks"] == 0
+  # Each step's prompts in batch order, from the sample replay (every row of every step).
+  by_step = {}
+  for r in map(json.loads, open(run_dir / "samples.jsonl")):
+    if r["kind"] != "kl_top":
+      by_step.setdefault(r["step"], {})[r["row"] // 4] = r["prompt"]
+  order = {t: [p[g] for g in range(8)] for t, p in by_step.items()}
+  assert sorted(order) == list(range(1, 33))
+  prompts = [r["prompt"] for r in easy + hard]
+  # Up to the reshuffle: the file's order, easy and hard batches alternating, and the reward with them.
+  for t in range(1, shuffled):
+    assert order[t] == (prompts[:8] if t % 2 else prompts[8:])
+  odd, even = (np.mean([m["reward_mean"] for m in rl[:s] if m["step"] % 2 == k]) for k in (1, 0))
+  assert odd > even + 0.05
+  # From it: epochs of 2 steps, each a fresh permutation of the 16 prompts, the halves mixed.
+  after = [order[t] for t in range(shuffled, 33)]
+  epochs = [after[i] + after[i + 1] for i in range(0, len(after) - 1, 2)]
+  assert epochs and all(sorted(e) == sorted(prompts) for e in epochs)
+  assert all(e != prompts for e in epochs) and any(set(b) not in (set(prompts[:8]), set(prompts[8:])) for b in after)
+
+
+def test_a_small_batch_runs_recorded_curve_raises_nothing():
+  """A healthy run at 8 prompts a step (the rollout-batch study's 8 x 800 point, 32.0% -> 89.1% held-out):
+  before the noise margin its plateau raised five reward-collapse alarms (a 'rise' of 0.06 above the first
+  window losing half of it is two standard errors of a 64-sample batch)."""
+  curve = json.load(open(os.path.join(ROOT, "tests", "data", "grpo_tiny_8x800_seed2_curve.json")))
+  keys = [k for k in curve if k not in ("source", "step")]
+  alarms = Alarms(AlarmSettings())
+  fired = [a for i, s in enumerate(curve["step"]) for a in alarms.update(s, {k: curve[k][i] for k in keys})]
+  assert len(curve["step"]) == 800 and fired == []
+  # Its reward cut to 0.3 after step 500 (~0.75 before) is a collapse, and is caught within a window.
+  alarms = Alarms(AlarmSettings())
+  fired = [
+    a
+    for i, s in enumerate(curve["step"])
+    for a in alarms.update(s, {"reward_mean": curve["reward_mean"][i] if i < 500 else 0.3})
+  ]
+  assert [a.kind for a in fired] == ["reward_collapse"] and 500 < fired[0].step <= 510
 
 
 def test_the_embedded_defaults_recorded_learning_curve_raises_nothing():

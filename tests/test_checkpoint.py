@@ -171,6 +171,26 @@ def test_rollback_to_replays_identically(finished_run, tmp_path, capsys):
   assert kill_resume.compare(str(finished_run), str(run_dir)) == []
 
 
+def test_an_epoch_prompt_order_resumes_where_it_stopped(tmp_path):
+  """--data_order=shuffle over 12 prompts, 8 a step: 6 steps are 4 epochs, the stop at step 3 falls mid-epoch.
+  Stopped and resumed, the run draws the same prompts in the same order as the uninterrupted one."""
+  flags = [*SMALL, "--eval_every=0", "--data_order=shuffle", "--train_prompts=12", "--log_samples=16"]
+  whole, parts = tmp_path / "whole", tmp_path / "parts"
+  assert main(["prog", *flags, f"--run_dir={whole}"]) == 0
+  assert main(["prog", *flags, f"--run_dir={parts}", "--stop_at_step=3"]) == 0
+  assert main(["prog", *flags, f"--run_dir={parts}"]) == 0
+  assert kill_resume.compare(str(whole), str(parts)) == []
+  # Every row of every step is in the replay (top 16 + bottom 16 of 32): the prompt of each group in order.
+  groups = {}
+  for r in kill_resume.load_samples(str(whole)):
+    if r["kind"] != "kl_top":
+      groups[(r["step"], r["row"] // 4)] = r["uid"]
+  drawn = [groups[key] for key in sorted(groups)]
+  epochs = [drawn[i : i + 12] for i in range(0, 48, 12)]
+  assert len(drawn) == 48 and len(set(drawn)) == 12
+  assert all(sorted(e) == sorted(epochs[0]) for e in epochs) and len({tuple(e) for e in epochs}) == 4
+
+
 def test_resume_of_a_finished_run_changes_nothing(finished_run, tmp_path, capsys):
   run_dir = _copy(finished_run, tmp_path)
   assert main(["prog", *SMALL, f"--run_dir={run_dir}"]) == 0

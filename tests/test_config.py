@@ -57,6 +57,14 @@ def test_defaults_build():
     (["--num_processes=2", "--process_id=2", "--coordinator_address=h:1"], r"--process_id=2.*must be in \[0, 2\)"),
     (["--num_processes=2", "--process_id=1"], "coordinator_address.*required.*num_processes > 1"),
     (["--heartbeat_timeout_s=0"], "heartbeat_timeout_s=0.*>= 1"),
+    (["--data_order=epochs"], r"data_order.*sample\|shuffle\|sequential"),
+    (["--data_order=shuffle"], "data_order='shuffle'.*needs --train_prompts=N with --task=arith"),
+    (
+      ["--data_order=sequential", "--train_prompts=16", "--curriculum"],
+      "data_order.*does not combine with --curriculum",
+    ),
+    (["--train_prompts=16", "--task=arith:0.5,gsm8k:0.5"], "train_prompts=16.*does not combine with a mixture"),
+    (["--train_prompts=-1"], "train_prompts=-1.*>= 0"),
   ],
 )
 def test_bad_flags_fail_with_a_named_error(argv, pattern):
@@ -88,6 +96,15 @@ def test_incompatible_combinations_fail_validation(argv, pattern):
 def test_main_reports_config_errors_without_running(capsys):
   assert main(["prog", "--mesh_tensor=8", "--mesh_fsdp=1"]) == 2
   assert "mesh_tensor" in capsys.readouterr().err
+
+
+def test_more_train_prompts_than_the_file_holds_is_refused_before_any_compute(tmp_path, capsys):
+  # The shipped GSM8K training sample is far smaller; the task's size is known once its file is read.
+  run_dir = tmp_path / "run"
+  argv = ["prog", "--task=gsm8k", "--train_prompts=100000", "--model_preset=tiny", f"--run_dir={run_dir}"]
+  assert main(argv) == 2
+  assert re.search(r"--train_prompts=100000: the task has \d+ training prompts", capsys.readouterr().err)
+  assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
 
 
 def test_main_help(capsys):

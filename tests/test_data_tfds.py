@@ -359,11 +359,30 @@ def test_stream_epochs_are_permutations_and_deterministic() -> None:
     assert order == stream.permutation(e).tolist()
   assert epochs[0] != epochs[1] != epochs[2]
   assert epochs[0] != list(range(37))
-  assert stream.state_dict() == {"epoch": 3, "position": 0, "seed": 3, "size": 37}
+  assert stream.state_dict() == {"epoch": 3, "position": 0, "seed": 3, "size": 37, "shuffle": True}
   assert PromptStream(37, seed=3).next(50) == drawn[:50]
   assert PromptStream(37, seed=4).next(37) != epochs[0]
   assert [stream.index_at(s) for s in range(37 * 3)] == drawn
   assert PromptStream(5, shuffle=False).next(7) == [0, 1, 2, 3, 4, 0, 1]
+
+
+def test_a_reshuffled_fixed_order_starts_a_fresh_epoch_and_keeps_it_through_a_resume() -> None:
+  stream = PromptStream(6, seed=2, shuffle=False)
+  assert stream.next(8) == [0, 1, 2, 3, 4, 5, 0, 1]
+  stream.reshuffle()  # mid-epoch: the rest of epoch 1 is skipped, epoch 2 starts shuffled
+  assert (stream.epoch, stream.position) == (2, 0)
+  state = json.loads(json.dumps(stream.state_dict()))
+  assert state["shuffle"] is True
+  drawn = stream.next(12)
+  assert drawn[:6] == stream.permutation(2).tolist() and sorted(drawn[:6]) == list(range(6))
+  assert sorted(drawn[6:]) == list(range(6)) and drawn[:6] != drawn[6:] and drawn[:6] != list(range(6))
+  resumed = PromptStream(6, seed=2, shuffle=False)  # built from the flags; the order kind comes from the state
+  resumed.load_state_dict(state)
+  assert resumed.next(12) == drawn
+  at_boundary = PromptStream(4, shuffle=False)
+  at_boundary.next(4)
+  at_boundary.reshuffle()  # at an epoch boundary nothing is skipped
+  assert (at_boundary.epoch, at_boundary.position) == (1, 0)
 
 
 def test_stream_resume_continues_identically() -> None:

@@ -454,6 +454,23 @@ class ArithTask:
         raise RuntimeError(f"rejection sampling did not converge: {pending.size} problems still held out")
     return out  # type: ignore[return-value]  # every slot is filled once pending is empty
 
+  def sample_distinct(self, rng: np.random.Generator, n: int, *, max_rounds: int = 64) -> list[Problem]:
+    """Draws ``n`` distinct training problems (by uid), in the order first drawn.
+
+    Raises:
+      ValueError: if ``max_rounds`` rounds of :meth:`sample` find fewer (the levels hold too few).
+    """
+    out: list[Problem] = []
+    seen: set[str] = set()
+    for _ in range(max_rounds):
+      for problem in self.sample(rng, n - len(out)):
+        if problem.uid not in seen:
+          seen.add(problem.uid)
+          out.append(problem)
+      if len(out) == n:
+        return out
+    raise ValueError(f"could not generate {n} distinct arith problems for levels {list(self.levels)}")
+
   def sft_examples(
     self,
     rng: np.random.Generator,

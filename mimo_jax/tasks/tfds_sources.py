@@ -1,4 +1,4 @@
-"""TFDS builders over local prompt files, and a resumable shuffled index stream.
+"""TFDS builders over local prompt files (and the resumable index stream they are read through).
 
 Every source is written once into a caller-given ``data_dir`` as ``array_record`` files
 (the only TFDS format that works without TensorFlow) and read back with random access
@@ -44,9 +44,9 @@ each kind and the first offender are stored in the dataset's ``metadata.json``
 lines are not rows; a UTF-8 byte-order mark at the start of a file is accepted.  A split without any
 usable row raises :class:`ValueError` naming the file.
 
-:class:`PromptStream` turns a dataset size into a reproducible stream of indices: one
-permutation per epoch, derived from ``(seed, epoch)`` alone, with a JSON-able
-``state_dict`` from which a restored stream continues identically.
+:class:`PromptStream` (:mod:`mimo_jax.data.prompt_stream`, re-exported here) turns a dataset size
+into a reproducible stream of indices: one permutation per epoch, derived from ``(seed, epoch)``
+alone, with a JSON-able ``state_dict`` from which a restored stream continues identically.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
+from mimo_jax.data.prompt_stream import PromptStream
 from mimo_jax.tasks.arith import ArithTask
 from mimo_jax.tasks.gsm8k import DEFAULT_TEST_PATH as GSM8K_TEST_PATH
 from mimo_jax.tasks.gsm8k import DEFAULT_TRAIN_PATH as GSM8K_TRAIN_PATH
@@ -428,18 +429,7 @@ class ArithBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     spec = self._spec()
     task = ArithTask(spec.levels, seed=spec.seed, heldout_size=spec.heldout_size, reverse_answer=spec.reverse_answer)
     rng = np.random.default_rng([_ARITH_TAG, spec.seed])
-    train: list[Any] = []
-    seen: set[str] = set()
-    for _ in range(_ARITH_MAX_ROUNDS):
-      for problem in task.sample(rng, spec.num_rows - len(train)):
-        if problem.uid not in seen:
-          seen.add(problem.uid)
-          train.append(problem)
-      if len(train) == spec.num_rows:
-        break
-    else:
-      raise ValueError(f"could not generate {spec.num_rows} distinct arith problems for levels {spec.levels}")
-    splits = {"train": train}
+    splits = {"train": task.sample_distinct(rng, spec.num_rows, max_rounds=_ARITH_MAX_ROUNDS)}
     if spec.heldout_size > 0:
       splits["test"] = task.heldout()
     self.info.metadata["spec"] = spec.to_json()
@@ -666,103 +656,3 @@ def load_prompt_source(
       path = default_path(kind, split)
     builder = prepare_builder(kind, data_dir, split_files={split: path}, field_map=field_map, arith=arith)
   return PromptSource(builder, split, name=f"{kind}:{split}")
-
-
-# ---- shuffled index stream --------------------------------------------------------------
-
-_STREAM_TAG = 0x53545245  # "STRE"
-
-
-class PromptStream:
-  """An endless, reproducible stream of indices into a dataset of ``size`` rows.
-
-  Epoch ``e`` visits every index once, in the order ``permutation(e)``, a numpy
-  permutation seeded by ``(tag, seed, e)`` alone, so any epoch can be recomputed without
-  replaying the ones before it, and :meth:`index_at` gives random access to the whole
-  stream.  The position (``epoch``, ``position`` within it) is the only state; restoring
-  it with :meth:`load_state_dict` makes the stream continue exactly where it was.
-
-  Args:
-    size: number of rows (positive).
-    seed: non-negative seed.
-    shuffle: False visits ``0..size-1`` in order every epoch.
-  """
-
-  def __init__(self, size: int, seed: int = 0, *, shuffle: bool = True) -> None:
-    size, seed = operator.index(size), operator.index(seed)
-    if size <= 0:
-      raise ValueError(f"size must be positive, got {size}")
-    if seed < 0:
-      raise ValueError(f"seed must be non-negative, got {seed}")
-    self.size = size
-    self.seed = seed
-    self.shuffle = bool(shuffle)
-    self.epoch = 0
-    self.position = 0
-    self._cached: tuple[int, np.ndarray] | None = None
-
-  def permutation(self, epoch: int) -> np.ndarray:
-    """The visiting order of ``epoch`` (a permutation of ``range(size)``)."""
-    epoch = operator.index(epoch)
-    if epoch < 0:
-      raise ValueError(f"epoch must be non-negative, got {epoch}")
-    if self._cached is None or self._cached[0] != epoch:
-      if self.shuffle:
-        order = np.random.default_rng([_STREAM_TAG, self.seed, epoch]).permutation(self.size)
-      else:
-        order = np.arange(self.size)
-      self._cached = (epoch, order)
-    return self._cached[1]
-
-  def index_at(self, step: int) -> int:
-    """The index the stream yields at absolute step ``step`` (``epoch * size + position``)."""
-    epoch, position = divmod(operator.index(step), self.size)
-    return int(self.permutation(epoch)[position])
-
-  @property
-  def step(self) -> int:
-    """Indices drawn so far, over all epochs."""
-    return self.epoch * self.size + self.position
-
-  def next(self, n: int) -> list[int]:
-    """Draws the next ``n`` indices, crossing epoch boundaries as needed.
-
-    Args:
-      n: how many (non-negative).
-
-    Returns:
-      The indices, in stream order.
-    """
-    n = operator.index(n)
-    if n < 0:
-      raise ValueError(f"n must be non-negative, got {n}")
-    out: list[int] = []
-    while len(out) < n:
-      take = min(n - len(out), self.size - self.position)
-      out.extend(self.permutation(self.epoch)[self.position : self.position + take].tolist())
-      self.position += take
-      if self.position == self.size:
-        self.epoch += 1
-        self.position = 0
-    return out
-
-  def state_dict(self) -> dict[str, int]:
-    """The JSON-able position: ``{"epoch", "position", "seed", "size"}``."""
-    return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": self.size}
-
-  def load_state_dict(self, state: Mapping[str, Any]) -> None:
-    """Restores a position saved by :meth:`state_dict` (the seed too).
-
-    Raises:
-      ValueError: if the state is for a dataset of a different size, or out of range.
-    """
-    size = operator.index(state.get("size", self.size))
-    if size != self.size:
-      raise ValueError(f"state is for a dataset of {size} rows, this stream has {self.size}")
-    epoch, position, seed = (operator.index(state[k]) for k in ("epoch", "position", "seed"))
-    if epoch < 0 or not 0 <= position < self.size or seed < 0:
-      raise ValueError(f"invalid stream state {dict(state)}")
-    self.epoch, self.position = epoch, position
-    if seed != self.seed:
-      self.seed = seed
-      self._cached = None

@@ -8,13 +8,14 @@ detector here watches one shape in the stream of ``metrics.jsonl`` records:
 kind               fires when                                                              threshold flag
 ================== ======================================================================= ==================
 reward_collapse    the smoothed reward has lost ``drop`` of its rise above the first        ``--alarm_reward_drop``
-                   window (the rise at least ``--alarm_reward_min_rise``)
+                   window (the rise at least ``--alarm_reward_min_rise``; the rise and the
+                   fall each above 5 standard errors of the batch noise)
 entropy_collapse   the smoothed entropy is below ``floor`` x the first window's              ``--alarm_entropy_floor``
 kl_blowup          the smoothed KL to the reference exceeds the limit                       ``--alarm_kl_max``
 value_loss_spike   the value loss exceeds ``spike`` x the median of the window before it    ``--alarm_value_spike``
 length_explosion   the smoothed response length exceeds ``growth`` x the first window's     ``--alarm_length_growth``
-grad_norm_collapse the smoothed gradient norm (steps with a learning signal) is below       ``--alarm_grad_floor``
-                   ``floor`` x the first window's
+grad_norm_collapse the smoothed gradient norm (steps whose every sample is correct left      ``--alarm_grad_floor``
+                   out) is below ``floor`` x the first window's
 reward_jitter      the reward's step-to-step changes over the last 6 windows have an        ``--alarm_jitter_acf``
                    autocorrelation above the limit at a period P of 2 .. 1 window and at 2P
                    (a repeating data pipeline)
@@ -89,6 +90,11 @@ DIAGNOSIS: dict[str, tuple[str, ...]] = {
     "reward noise from a flaky verifier (reward/*_fail_frac)",
   ),
 }
+
+
+# A reward collapse's rise and fall must each exceed this many standard errors of a difference of
+# window means (the batch noise), whatever --alarm_reward_min_rise and --alarm_reward_drop allow.
+_NOISE_SE = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +222,15 @@ class Alarms:
   def _smooth(self, key: str) -> float | None:
     return float(np.mean(self._values(key)[-self.s.window :])) if self._ready(key) else None
 
+  def _window_noise(self, key: str) -> float:
+    """The standard error of the difference of two window means of ``key``, from its step-to-step changes
+    over the last 6 windows (median absolute deviation: a collapse's few large steps do not count)."""
+    d = np.diff(self._values(key))
+    if d.size < 2:
+      return 0.0
+    per_step = 1.4826 * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
+    return per_step * math.sqrt(2.0 / self.s.window)
+
   def _first(self, key: str) -> float | None:
     return float(np.mean(self.first[key])) if self._ready(key) else None
 
@@ -225,8 +240,12 @@ class Alarms:
       v = _finite(record.get(key))
       if v is not None:
         self._add(key, v)
+    # A batch every sample of which is correct has nothing left to teach (success, not a collapse); a
+    # batch whose groups are all alike otherwise (a saturated policy, a task it never solves) is the
+    # shape: the gradient vanished while there is still something to learn.
     g = _finite(record.get("grad_norm"))
-    if g is not None and record.get("frac_groups_all_equal", 0.0) < 1.0:
+    solved = record.get("frac_groups_all_equal", 0.0) >= 1.0 and record.get("accuracy", 0.0) >= 1.0
+    if g is not None and not solved:
       self._add("grad_norm", g)
     holding: dict[str, tuple[int, dict[str, Any]]] = {}
     for kind in self.kinds:
@@ -256,10 +275,19 @@ class Alarms:
       return None
     if now > self.peak[1]:
       self.peak = (step, now)
-    rise = self.peak[1] - first
-    if rise < self.s.reward_min_rise or now > self.peak[1] - self.s.reward_drop * rise:
+    rise, fall = self.peak[1] - first, self.peak[1] - now
+    # The batch noise: the peak is the highest of many noisy window means, so on a small batch a plateau
+    # alone makes a "rise" and a "fall" of a few standard errors.  Both must exceed the margin.
+    margin = _NOISE_SE * self._window_noise("reward_mean")
+    if rise < max(self.s.reward_min_rise, margin) or fall < max(self.s.reward_drop * rise, margin):
       return None
-    return self.peak[0], {"reward_smoothed": now, "peak": self.peak[1], "peak_step": self.peak[0], "first": first}
+    return self.peak[0], {
+      "reward_smoothed": now,
+      "peak": self.peak[1],
+      "peak_step": self.peak[0],
+      "first": first,
+      "noise_margin": margin,
+    }
 
   def _entropy_collapse(self, step):
     now, first = self._smooth("entropy"), self._first("entropy")

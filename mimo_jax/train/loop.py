@@ -60,7 +60,7 @@ from mimo_jax.train.learner import (
 )
 from mimo_jax.train.ledger import FlopCounter, Ledger
 from mimo_jax.train.logger import MetricsLogger, device_memory, format_progress, histogram_quantiles
-from mimo_jax.train.rollout_worker import RolloutWorker, digest
+from mimo_jax.train.rollout_worker import RolloutWorker, digest, train_pool
 from mimo_jax.train.samples import select_samples
 from mimo_jax.train.steps import SequenceBatch, make_sft_step
 
@@ -90,14 +90,10 @@ def sft_optimizer_config(cfg: Config) -> OptimConfig:
   short warm-up and a cosine decay, everything else at its default but the master dtype. It takes
   none of the RL policy's optimizer flags, so a run (or a sweep's coupled point) that changes
   ``--grad_clip``, ``--weight_decay`` or the schedule starts RL from the same warm start."""
-  d = OptimConfig()
-  return dataclasses.replace(
-    d,
+  return OptimConfig(
     learning_rate=cfg.optim.sft_learning_rate,
     warmup_steps=min(10, cfg.run.sft_steps // 10),
     grad_clip=cfg.optim.sft_grad_clip,
-    sft_learning_rate=cfg.optim.sft_learning_rate,
-    sft_grad_clip=cfg.optim.sft_grad_clip,
     master_dtype=cfg.optim.master_dtype,
   )
 
@@ -165,6 +161,7 @@ class RLRun:
     # The isolation untrusted code runs under (build_task enforced the policy; None: the task runs no
     # code), recorded in config.json and summary.json.
     self.sandbox = check_sandbox(cfg.data)
+    train_pool(self.task, cfg.data, cfg.run.seed)  # --train_prompts checked against the task before any compute
     self.buckets = cfg.rollout.buckets
     loop_key, init_key, self._sft_key, self._rl_key = jax.random.split(jax.random.key(cfg.run.seed), 4)
     # The judge's own sampling stream (a separate derivation, so the four keys above are unchanged).
@@ -259,10 +256,7 @@ class RLRun:
     self.eval_rows = eval_rows(len(self.heldout), shards)
 
     # ---- optimizers and jitted steps
-    sft_optim = sft_optimizer_config(cfg)
-    self.sft_tx, self.sft_schedule = make_optimizer(
-      sft_optim, max(cfg.run.sft_steps, 1), peak=cfg.optim.sft_learning_rate
-    )
+    self.sft_tx, self.sft_schedule = make_optimizer(sft_optimizer_config(cfg), max(cfg.run.sft_steps, 1))
     self.sft_step_fn = make_sft_step(self.mesh)
     self.master = cfg.optim.master_dtype
     # ---- the learner: score, advantages, policy and critic updates, controllers in one program
@@ -277,6 +271,7 @@ class RLRun:
     # ---- failure-shape alarms over the logged records (state checkpointed with the run)
     self.alarms = Alarms(alarm_settings(cfg.logging))
     self.alarm_rollbacks = 0
+    self.reshuffled = False  # a reward-jitter alarm broke the fixed prompt order
     # ---- the compute ledger: FLOPs and device-seconds by phase, totals checkpointed with the run
     self.ledger = Ledger(
       FlopCounter.of(self.model_cfg),
@@ -465,6 +460,7 @@ class RLRun:
         "nonfinite_steps": self.nonfinite_steps,
         "last_good_step": self.last_good_step,
         "prompt_sampler": rollout["prompt_sampler"],
+        "prompt_stream": rollout["prompt_stream"],
         "reward": rollout["reward"],
         "ledger": self.ledger.state_dict(),
         "alarms": self.alarms.state_dict(),
@@ -591,6 +587,7 @@ class RLRun:
     self.worker.load_host_state(
       data_rng=meta["data_rng"],
       prompt_sampler=ctl.get("prompt_sampler"),
+      prompt_stream=ctl.get("prompt_stream"),
       reward=ctl.get("reward"),
       # Pending batches (async rollout) are regenerated; only the consumed ones are history.
       batches=[b for b in meta["buffer"]["batches"] if b.get("status", "consumed") == "consumed"],
@@ -890,6 +887,14 @@ class RLRun:
       action = "logged"
       if lg.on_alarm == "rollback" and rolled is not None:
         action = "logged (the run rolled back for another alarm of this step)"
+      elif lg.on_alarm == "rollback" and alarm.kind == "reward_jitter":
+        # A period in the reward does not damage the policy, and a rollback would replay it: the
+        # intervention is on the data pipeline, a fixed prompt order broken into shuffled epochs.
+        first = self._reshuffle(step)
+        if first is not None:
+          action = f"prompt order reshuffled every epoch from RL step {first} on (--data_order=sequential); no rollback"
+        else:
+          action = "logged (no rollback: the prompts are not in a fixed order; see the diagnosis)"
       elif lg.on_alarm == "rollback":
         if self.alarm_rollbacks >= lg.max_alarm_rollbacks:
           action = f"logged (--max_alarm_rollbacks={lg.max_alarm_rollbacks} spent)"
@@ -915,6 +920,20 @@ class RLRun:
         print(message, flush=True)
       logging.warning(message)
     return rolled
+
+  def _reshuffle(self, step: int) -> int | None:
+    """Breaks a fixed prompt order into shuffled epochs from the next batch made on (async: the producer
+    paused while it changes; the batches it already made keep theirs).  Returns that batch's RL step,
+    None when there is no fixed order to break."""
+    first = step + 1  # the logged RL step of batch id ``step`` (ids count from 0), the next one trained
+    if self.rollout is not None and self.rollout.running:
+      with self.rollout.paused() as worker:
+        first += len(self.rollout.pending(step))
+        done = worker.reshuffle()
+    else:
+      done = self.worker.reshuffle()
+    self.reshuffled = self.reshuffled or done
+    return first if done else None
 
   def _alarm_rollback(
     self, state: LearnerState, onset: int, *, critic: bool = False
@@ -945,6 +964,8 @@ class RLRun:
     if critic:
       restored = restored.replace(value=restored.value.replace(lr_scale=state.value.lr_scale * lg.alarm_lr_factor))
     self._restore_rollout_side(meta)
+    if self.reshuffled:
+      self.worker.reshuffle()  # an earlier reward-jitter intervention stays in effect, as the LR scale does
     ctl = meta.get("controllers", {})
     self.ledger.load_state_dict(ctl.get("ledger"))
     self.alarms.load_state_dict(ctl.get("alarms"))

@@ -30,17 +30,43 @@ from jax.sharding import NamedSharding
 
 from mimo_jax import multihost
 from mimo_jax.config import Config
+from mimo_jax.config_base import ConfigError
 from mimo_jax.data.curriculum import PassRateCurriculum, PromptSampler
+from mimo_jax.data.prompt_stream import PromptStream
 from mimo_jax.rewards.base import RewardBatch
 from mimo_jax.rewards.task_rewards import reward_samples
 from mimo_jax.rollout import FINISH_LENGTH, RolloutOutput
 from mimo_jax.rollout.encoding import decode_completions, encode_prompts, sampling_params
 from mimo_jax.train.learner import Experience
 
-__all__ = ["RolloutBatch", "RolloutWorker", "Rewards", "digest"]
+__all__ = ["RolloutBatch", "RolloutWorker", "Rewards", "digest", "train_pool"]
 
 # Batch records kept for the checkpoint's buffer (provenance of the recent batches).
 _BATCH_RECORDS = 16
+# Seed-sequence tag of a generated task's --train_prompts draw (apart from the per-step data stream).
+_POOL_TAG = 0x504F4F4C  # "POOL"
+
+
+def train_pool(task: Any, data: Any, seed: int) -> list[Any] | None:
+  """The prompts RL draws from when ``--train_prompts`` or an epoch order (``--data_order``) asks for a
+  finite set: the training file's (its first N), or N distinct problems drawn once from a generated
+  task's training stream (seeded by the run's seed, apart from the per-step draws).  None: the task's own
+  sampler draws every step.
+
+  Raises:
+    ConfigError: naming ``--train_prompts`` when the task has fewer training prompts.
+  """
+  if data.data_order == "sample" and not data.train_prompts:
+    return None
+  if hasattr(task, "train_problems"):
+    pool = task.train_problems()
+    if data.train_prompts > len(pool):
+      raise ConfigError(f"--train_prompts={data.train_prompts}: the task has {len(pool)} training prompts")
+    return pool[: data.train_prompts or None]
+  try:
+    return task.sample_distinct(np.random.default_rng([_POOL_TAG, seed]), data.train_prompts)
+  except ValueError as e:
+    raise ConfigError(f"--train_prompts={data.train_prompts}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +228,11 @@ class RolloutWorker:
     self.key_data = np.asarray(jax.random.key_data(key))
     self.data_rng = np.random.default_rng(cfg.run.seed)
     self.prompt_sampler = self._prompt_sampler() if cfg.data.curriculum or cfg.data.is_mixture else None
+    self.train_pool = train_pool(self.task, cfg.data, cfg.run.seed)
+    self.prompt_stream = None
+    if cfg.data.data_order != "sample":
+      shuffle = cfg.data.data_order == "shuffle"
+      self.prompt_stream = PromptStream(len(self.train_pool), cfg.run.seed, shuffle=shuffle)
     self.batches: collections.deque[dict[str, Any]] = collections.deque(maxlen=_BATCH_RECORDS)
     self._rows_announced = False
 
@@ -280,7 +311,19 @@ class RolloutWorker:
     """This step's training prompts (from the curriculum's pool when on)."""
     if self.prompt_sampler is not None:
       return self.prompt_sampler.sample(self.data_rng, self.rows)
+    if self.prompt_stream is not None:
+      return [self.train_pool[i] for i in self.prompt_stream.next(self.rows)]
+    if self.train_pool is not None:
+      return [self.train_pool[i] for i in self.data_rng.integers(len(self.train_pool), size=self.rows).tolist()]
     return self.task.sample(self.data_rng, self.rows)
+
+  def reshuffle(self) -> bool:
+    """A fixed prompt order (``--data_order=sequential``) becomes a fresh order every epoch, from the next
+    batch on (a reward-jitter alarm's intervention).  False when there is no fixed order to break."""
+    if self.prompt_stream is None or self.prompt_stream.shuffle:
+      return False
+    self.prompt_stream.reshuffle()
+    return True
 
   def reward(self, problems, rollout: RolloutOutput) -> Rewards:
     """Decodes the completions and scores them with the task's composite reward (host)."""
@@ -418,11 +461,14 @@ class RolloutWorker:
       "loop_key": self.key_data,
       "data_rng": json.loads(json.dumps(self.data_rng.bit_generator.state)) if with_data else {},
       "prompt_sampler": self.prompt_sampler.state_dict() if self.prompt_sampler and with_data else None,
+      "prompt_stream": self.prompt_stream.state_dict() if self.prompt_stream and with_data else None,
       "reward": self.rewarder.state_dict() if with_data else None,
       "batches": list(self.batches) if with_data else [],
     }
 
-  def load_host_state(self, *, loop_key=None, data_rng=None, prompt_sampler=None, reward=None, batches=None) -> None:
+  def load_host_state(
+    self, *, loop_key=None, data_rng=None, prompt_sampler=None, prompt_stream=None, reward=None, batches=None
+  ) -> None:
     """Restores what :meth:`host_state` saved (fields left None are kept)."""
     if loop_key is not None:
       self.key_data = np.asarray(loop_key)
@@ -430,6 +476,8 @@ class RolloutWorker:
       self.data_rng.bit_generator.state = data_rng
     if self.prompt_sampler is not None and prompt_sampler:
       self.prompt_sampler.load_state_dict(prompt_sampler)
+    if self.prompt_stream is not None and prompt_stream:
+      self.prompt_stream.load_state_dict(prompt_stream)
     if reward:
       self.rewarder.load_state_dict(reward)
     if batches is not None:
