@@ -77,6 +77,23 @@ def test_a_value_loss_spike_fires_per_spike_and_clears_between():
   assert fired[0].evidence == {"value_loss": 5.0, "median_before": 0.1}
 
 
+def test_a_value_hovering_at_the_threshold_is_one_episode():
+  # The smoothed entropy (2.0 at first, floor 0.1 x) crosses 0.2 every few steps for 36 steps: one alarm;
+  # a window of healthy steps clears it, and a new collapse after that is a new alarm.
+  hover = ([{"entropy": 0.15}] * 3 + [{"entropy": 0.26}] * 3) * 6
+  fired = _feed([{}] * 10 + hover + [{}] * 10 + [{"entropy": 0.01}] * 10)
+  assert [(a.kind, a.step) for a in fired] == [("entropy_collapse", 15), ("entropy_collapse", 61)]
+  # The clearing count is detector state: checkpointed, restored mid-episode, the same alarms.
+  series = [{}] * 10 + hover
+  first = Alarms(AlarmSettings(window=W))
+  for step, changes in enumerate(series[:20], start=1):
+    first.update(step, {**HEALTHY, **changes})
+  second = Alarms(AlarmSettings(window=W))
+  second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+  later = [a for step, c in enumerate(series[20:], start=21) for a in second.update(step, {**HEALTHY, **c})]
+  assert later == [] and "entropy_collapse" in second.active
+
+
 def test_a_solved_batch_is_not_a_grad_norm_collapse_but_a_stuck_one_is():
   # Every sample correct: nothing left to learn, no gradient expected; those steps are not evidence.
   solved = [{"grad_norm": 0.0, "frac_groups_all_equal": 1.0, "accuracy": 1.0}] * 20

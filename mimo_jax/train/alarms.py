@@ -22,7 +22,8 @@ reward_jitter      the reward's step-to-step changes over the last 6 windows hav
 ================== ======================================================================= ==================
 
 Smoothing is a mean over the last ``--alarm_window`` steps; nothing fires before two windows of
-steps.  A detector fires once when its condition starts to hold and again only after it has cleared.
+steps.  A detector fires once when its condition starts to hold and again only after it has cleared,
+which takes a whole window of steps without it (a value hovering at the threshold is one episode).
 Each alarm carries its ``onset``, the first step of the shape: the reward's peak for a collapse, the
 spike's step for the value loss, the first step of the smoothing window that shows it otherwise.  The
 record of RL step ``s`` measures the policy after ``s - 1`` updates, so ``--on_alarm=rollback``
@@ -179,7 +180,8 @@ class Alarms:
     self.first: dict[str, list[float]] = {}
     self.recent: dict[str, list[float]] = {}
     self.count: dict[str, int] = {}
-    self.active: dict[str, int] = {}  # kind -> onset of the shape currently holding
+    self.active: dict[str, int] = {}  # kind -> onset of the shape currently holding (or clearing)
+    self.calm: dict[str, int] = {}  # kind -> steps in a row an active shape has not held
     self.peak = (-1, -math.inf)  # the smoothed reward's peak (step, value)
 
   def state_dict(self) -> dict[str, Any]:
@@ -189,6 +191,7 @@ class Alarms:
       "recent": {k: list(v) for k, v in self.recent.items()},
       "count": dict(self.count),
       "active": dict(self.active),
+      "calm": dict(self.calm),
       "peak": [int(self.peak[0]), None if math.isinf(self.peak[1]) else float(self.peak[1])],
     }
 
@@ -199,6 +202,7 @@ class Alarms:
     self.recent = {k: [float(x) for x in v] for k, v in state.get("recent", {}).items()}
     self.count = {k: int(v) for k, v in state.get("count", {}).items()}
     self.active = {k: int(v) for k, v in state.get("active", {}).items()}
+    self.calm = {k: int(v) for k, v in state.get("calm", {}).items()}
     step, value = state.get("peak", [-1, None])
     self.peak = (int(step), -math.inf if value is None else float(value))
 
@@ -254,13 +258,19 @@ class Alarms:
         holding[kind] = found
     fired = []
     for kind in self.kinds:
-      if kind in holding and kind not in self.active:
-        onset, evidence = holding[kind]
-        self.active[kind] = onset
-        evidence = {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in evidence.items()}
-        fired.append(Alarm(step=step, kind=kind, onset=onset, evidence=evidence))
-      elif kind not in holding:
-        self.active.pop(kind, None)
+      if kind in holding:
+        self.calm.pop(kind, None)
+        if kind not in self.active:
+          onset, evidence = holding[kind]
+          self.active[kind] = onset
+          evidence = {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in evidence.items()}
+          fired.append(Alarm(step=step, kind=kind, onset=onset, evidence=evidence))
+      elif kind in self.active:
+        # Cleared only after a whole window without the shape: a value hovering at the threshold is one
+        # episode, not an alarm every few steps.
+        self.calm[kind] = self.calm.get(kind, 0) + 1
+        if self.calm[kind] >= self.s.window:
+          del self.active[kind], self.calm[kind]
     return fired
 
   def _onset(self, kind: str, step: int, *, smoothed: bool = True) -> int:
