@@ -837,14 +837,8 @@ def validate(cfg: Config, num_devices: int) -> None:
   """
   r = cfg.rollout
   if cfg.mesh.num_processes > 1:
-    # The async producer issues its programs from a thread of its own, so the processes' collectives
-    # would not run in one order; a reward model scores each host's rows with a program of the global mesh.
-    check(
-      not r.async_rollout,
-      "async_rollout",
-      r.async_rollout,
-      f"is not supported with --num_processes={cfg.mesh.num_processes} yet; use synchronous rollout",
-    )
+    # A reward model scores each host's rows with a program of the global mesh.  (Async rollout runs its
+    # producer in the learner's thread here, so every host issues its collectives in one order.)
     for name in ("reward_model", "judge_checkpoint"):
       check(
         not getattr(cfg.data, name),

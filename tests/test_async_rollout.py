@@ -188,10 +188,11 @@ class _HostWorker:
     return {"draws": self.draws, "loop_key": np.zeros(2, np.uint32)}
 
 
+@pytest.mark.parametrize("threaded", [True, False], ids=["thread", "inline"])
 @pytest.mark.parametrize("staleness", [0, 1, 3])
-def test_the_producer_runs_exactly_k_versions_ahead(staleness):
+def test_the_producer_runs_exactly_k_versions_ahead(staleness, threaded):
   worker = _HostWorker()
-  rollout = AsyncRollout(worker, max_staleness=staleness, to_rollout=lambda p: p, end=8)
+  rollout = AsyncRollout(worker, max_staleness=staleness, to_rollout=lambda p: p, end=8, threaded=threaded)
   worker.rollout = rollout
   rollout.start(0, 0, 0)
   for step in range(8):
@@ -206,9 +207,10 @@ def test_the_producer_runs_exactly_k_versions_ahead(staleness):
   rollout.stop()
 
 
-def test_paused_lends_the_worker_between_the_same_two_batches_and_refreshes_the_record():
+@pytest.mark.parametrize("threaded", [True, False], ids=["thread", "inline"])
+def test_paused_lends_the_worker_between_the_same_two_batches_and_refreshes_the_record(threaded):
   worker = _HostWorker()
-  rollout = AsyncRollout(worker, max_staleness=2, to_rollout=lambda p: p, end=10)
+  rollout = AsyncRollout(worker, max_staleness=2, to_rollout=lambda p: p, end=10, threaded=threaded)
   worker.rollout = rollout
   rollout.start(0, 0, 0)
   rollout.get(0)
@@ -219,6 +221,31 @@ def test_paused_lends_the_worker_between_the_same_two_batches_and_refreshes_the_
   assert rollout.record_before(3)["draws"] == 103
   assert rollout.pending(1) == [1, 2]
   rollout.stop()
+
+
+def test_the_inline_producer_makes_the_same_batches_at_the_same_hand_offs_as_the_thread():
+  """What several processes run: every batch made in the learner's thread, with the versions, the order
+  and the worker state at each hand-off of the threaded producer."""
+  seen = {}
+  for threaded in (True, False):
+    worker = _HostWorker()
+    rollout = AsyncRollout(worker, max_staleness=1, to_rollout=lambda p: p, end=6, threaded=threaded)
+    worker.rollout = rollout
+    rollout.start(0, 0, 0)
+    records = []
+    for step in range(6):
+      if step:
+        rollout.publish(step, step)
+      got = rollout.get(step)
+      rollout.produce_ahead()  # the learner's call after each step (nothing to do for a thread)
+      if step == 3:
+        with rollout.paused() as w:
+          w.draws += 10  # an evaluation between the same two batches
+      records.append((got, rollout.record_before(step + 1)["draws"] if step < 5 else None))
+    rollout.stop()
+    seen[threaded] = (records, [(b, v) for b, v, _ in worker.made])
+  assert seen[True] == seen[False]
+  assert seen[False][1] == [(b, max(b - 1, 0)) for b in range(6)]
 
 
 def test_a_producer_error_reaches_the_learner_and_stop_unblocks_it():

@@ -153,6 +153,26 @@ def test_grpo_in_two_processes_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_async_rollout_in_two_processes_equals_one_process(tmp_path):
+  """--async_rollout with a stale policy (K = 1) and a mid-run evaluation: two processes make every batch in
+  the learner's thread (their collectives in one order), one process in a producer thread; the batches
+  come from the same policy versions, so every metric, sample and checkpoint is the same."""
+  flags = [*GRPO, "--async_rollout", "--max_staleness=1", "--eval_every=2"]
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  _run(one, flags, 1, 8)
+  _run(two, flags, 2, 4)
+  # queue_len is when the producer thread happened to be at the record (timing); the rest is the run.
+  a, b = ([{k: v for k, v in r.items() if k != "queue_len"} for r in _without_timings(_records(d))] for d in (one, two))
+  assert [r["step"] for r in b] == [r["step"] for r in a] and _rl_steps(two) == [1, 2, 3, 4]
+  assert b == a
+  assert [r["staleness_max"] for r in b if "staleness_max" in r] == [0, 1, 1, 1]
+  assert any("eval/greedy_accuracy" in r for r in b if r["step"] == 2)
+  assert _fingerprints(two) == _fingerprints(one) and len(_fingerprints(one)) == 3
+  samples = [json.loads(line) for line in open(os.path.join(two, "samples.jsonl"))]
+  assert samples == [json.loads(line) for line in open(os.path.join(one, "samples.jsonl"))]
+
+
+@pytest.mark.slow
 def test_ppo_in_two_processes_interrupted_twice_equals_one_uninterrupted_process(tmp_path):
   """PPO with a critic.  SIGTERM to process 1: both save at the same step and exit cleanly; resumed, then
   SIGKILL to process 0 (the coordinator's host): process 1 ends on its own; resumed again, the run ends

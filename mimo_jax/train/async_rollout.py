@@ -2,7 +2,9 @@
 
 A producer thread owns the :class:`~mimo_jax.train.rollout_worker.RolloutWorker` (its sampler,
 data RNG, curriculum, reward state and loop key) and generates the batches of RL steps
-``b = next, next + 1, ...``; the learner takes batch ``b`` at RL step ``b``.  Versions count the
+``b = next, next + 1, ...``; the learner takes batch ``b`` at RL step ``b``.  With several
+processes the producer runs in the learner's thread instead (``threaded=False``): the same
+batches from the same versions, every program issued in one order on every host.  Versions count the
 learner's RL steps: version ``v`` is the policy after ``v`` steps (version 0 the warm start).
 
 **Admission control, exact and deterministic.**  Batch ``b`` is generated with exactly version
@@ -46,7 +48,7 @@ class RolloutStopped(RuntimeError):
 
 
 class AsyncRollout:
-  """The producer thread and its bounded, version-stamped hand-off to the learner.
+  """The producer and its bounded, version-stamped hand-off to the learner.
 
   Args:
     worker: the rollout worker (owned by the producer while it runs).
@@ -54,17 +56,34 @@ class AsyncRollout:
     to_rollout: makes the producer's own copy of published parameters (on the rollout devices,
       in the generation layout).
     end: the producer makes batches up to ``end - 1`` (the run's last RL step).
+    threaded: the producer is a thread of its own (the default).  False: the learner's thread makes
+      the batches itself, each once its version is published and the learner reaches a hand-off
+      point (:meth:`get`, :meth:`produce_ahead` after each step, :meth:`paused`).  The batches,
+      their versions and the worker's state at every hand-off are the same either way (admission
+      depends on versions only); what changes is that every program is issued from one thread in
+      one order, which several processes need (their collectives must run in the same order on
+      every host), and that nothing overlaps: generation and learning take turns.
   """
 
-  def __init__(self, worker: RolloutWorker, *, max_staleness: int, to_rollout: Callable[[Any], Any], end: int):
+  def __init__(
+    self,
+    worker: RolloutWorker,
+    *,
+    max_staleness: int,
+    to_rollout: Callable[[Any], Any],
+    end: int,
+    threaded: bool = True,
+  ):
     if max_staleness < 0:
       raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
     self.worker = worker
     self.max_staleness = max_staleness
     self.to_rollout = to_rollout
     self.end = end
+    self.threaded = threaded
     self._cv = threading.Condition()
     self._thread: threading.Thread | None = None
+    self._inline = False  # an in-line producer is started
     self._reset_state()
 
   def _reset_state(self) -> None:
@@ -83,8 +102,8 @@ class AsyncRollout:
 
   @property
   def running(self) -> bool:
-    """Whether a producer thread is started (it may be waiting)."""
-    return self._thread is not None
+    """Whether a producer is started (a thread may be waiting)."""
+    return self._thread is not None or self._inline
 
   def version_for(self, batch_id: int) -> int:
     """The policy version that generates batch ``batch_id``: ``max(batch_id - K, v0)``."""
@@ -107,11 +126,19 @@ class AsyncRollout:
     self._first_version = version
     self._versions[version] = self.to_rollout(params)
     self._before[first_batch] = self._host_state()
+    if not self.threaded:
+      self._inline = True
+      return
     self._thread = threading.Thread(target=self._run, name="mimo-rollout", daemon=True)
     self._thread.start()
 
   def stop(self) -> None:
     """Stops the producer (its current batch is finished first) and drops everything queued."""
+    if self._inline:
+      self._inline = False
+      self._versions.clear()
+      self._ready.clear()
+      return
     thread = self._thread
     if thread is None:
       return
@@ -136,6 +163,12 @@ class AsyncRollout:
   def get(self, batch_id: int) -> RolloutBatch:
     """The batch of RL step ``batch_id`` (blocks until produced; re-raises the producer's error)."""
     t0 = time.perf_counter()
+    if self._inline:
+      self._make_admitted()
+      if batch_id not in self._ready:
+        raise RolloutStopped(f"batch {batch_id} is not admitted by the published versions {sorted(self._versions)}")
+      self.learner_idle_s += time.perf_counter() - t0
+      return self._ready.pop(batch_id)
     with self._cv:
       while batch_id not in self._ready:
         if self._error is not None:
@@ -157,6 +190,11 @@ class AsyncRollout:
     caller draws falls between the same two batches on every run; afterwards the record of the next
     batch is refreshed to include it.  Nothing may be published inside.
     """
+    if self._inline:
+      self._make_admitted()
+      yield self.worker
+      self._before[self._next] = self._host_state()
+      return
     with self._cv:
       while not (self._waiting or self._stop or self._error is not None):
         self._cv.wait()
@@ -164,6 +202,12 @@ class AsyncRollout:
         raise self._error
       yield self.worker
       self._before[self._next] = self._host_state()
+
+  def produce_ahead(self) -> None:
+    """In-line producer: makes every batch the published versions admit, now (the learner calls it once
+    its step is done).  A thread needs no call."""
+    if self._inline:
+      self._make_admitted()
 
   def record_before(self, batch_id: int) -> dict[str, Any]:
     """The worker's host state from before batch ``batch_id`` (what a checkpoint at that step keeps)."""
@@ -194,6 +238,25 @@ class AsyncRollout:
   def _required(self, batch_id: int) -> int:
     return max(batch_id - self.max_staleness, self._first_version)
 
+  def _make_one(self, b: int, need: int, params: Any) -> None:
+    """Makes batch ``b`` with ``params``, version ``need`` (the worker is the caller's to use)."""
+    self.worker.update_params(params)
+    batch = self.worker.produce(b, need)
+    with self._cv:
+      self._ready[b] = batch
+      self._making = False
+      self._next = b + 1
+      self._before[b + 1] = self._host_state()
+      for old in [k for k in self._before if k < b - self.max_staleness - 1]:
+        del self._before[old]
+      self._cv.notify_all()
+
+  def _make_admitted(self) -> None:
+    """In-line producer: every batch from ``_next`` on whose version is published, in order."""
+    while self._next < self.end and self._required(self._next) in self._versions:
+      need = self._required(self._next)
+      self._make_one(self._next, need, self._versions[need])
+
   def _run(self) -> None:
     try:
       while True:
@@ -211,16 +274,7 @@ class AsyncRollout:
             return
           params = self._versions[need]
           self._making = True
-        self.worker.update_params(params)
-        batch = self.worker.produce(b, need)
-        with self._cv:
-          self._ready[b] = batch
-          self._making = False
-          self._next = b + 1
-          self._before[b + 1] = self._host_state()
-          for old in [k for k in self._before if k < b - self.max_staleness - 1]:
-            del self._before[old]
-          self._cv.notify_all()
+        self._make_one(b, need, params)
     except BaseException as e:  # noqa: BLE001 - handed to the learner, which re-raises it
       with self._cv:
         self._error = e

@@ -242,7 +242,9 @@ class RLRun:
     sampler = factory(nnx.merge(self.graphdef, self.rollout_params(self._init_params)), self.rollout_mesh or self.mesh)
     # ---- the rollout side: prompts -> generation -> rewards -> Experience (host state only)
     self.worker = RolloutWorker(cfg, self.task, self.tokenizer, sampler, rewarder, loop_key)
-    # Async rollout: a producer thread owns the worker and runs up to --max_staleness versions ahead.
+    # Async rollout: a producer owns the worker and runs up to --max_staleness versions ahead; a thread of
+    # its own in one process, the learner's thread with several (every host issues its programs, and so
+    # its collectives, in one order).
     self.rollout: AsyncRollout | None = None
     if cfg.rollout.async_rollout:
       self.rollout = AsyncRollout(
@@ -250,6 +252,7 @@ class RLRun:
         max_staleness=cfg.rollout.staleness,
         to_rollout=_device_copy if self.rollout_mesh is None else self.rollout_params,
         end=cfg.run.max_steps,
+        threaded=not multihost.multi_process(),
       )
     shards = sampler.batch_shards
     # Evaluation batches: a fixed number of prompts per call, a multiple of the batch shards.
@@ -762,6 +765,10 @@ class RLRun:
       (metrics, rollout.lengths, rollout.finish_reason, rollout.prompt_mask)
     )
     t2 = time.perf_counter()
+    if self.rollout is not None:
+      # An in-line producer (several processes) makes the batches the published versions admit now, after
+      # the step's own timing: their time is theirs (time_produce_s travels with each batch).
+      self.rollout.produce_ahead()
     kl_per_seq = metrics.pop("kl_per_seq", None)
     samples = select_samples(
       batch,
