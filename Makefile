@@ -35,8 +35,10 @@ browser:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver; \
 	fi
 
+# --capture=sys: Python output is captured per test as usual, but what C++ writes to the process's
+# stderr (XLA's fatal errors and its stuck-collective warnings) reaches the log even if the process aborts.
 test: $(STAMP) $(TPU_STAMP) browser
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 --capture=sys
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,4 +1,4 @@
-"""Test set-up: 8 emulated CPU devices, so sharding in tests is real.
+"""Test set-up: 8 emulated CPU devices, so sharding in tests is real (and a patient collective timeout).
 
 XLA reads the device count when the backend starts, so this must run before anything
 imports jax.
@@ -15,7 +15,14 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+  _flags += " --xla_force_host_platform_device_count=8"
+# The 8 emulated devices meet at every collective; XLA aborts the whole process when one of them has
+# not arrived after 40 s (--xla_cpu_collective_call_terminate_timeout_seconds).  On a 2-core machine
+# that also runs other work, a device thread can be that late without anything being wrong, so the
+# suite waits up to 10 minutes (a real deadlock still ends; subprocesses inherit the setting).
+if "xla_cpu_collective_call_terminate_timeout_seconds" not in _flags:
+  _flags += " --xla_cpu_collective_call_terminate_timeout_seconds=600"
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 _OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
