@@ -377,6 +377,23 @@ def test_a_small_batch_runs_recorded_curve_raises_nothing():
   assert [a.kind for a in fired] == ["reward_collapse"] and 500 < fired[0].step <= 510
 
 
+def test_a_real_reward_collapse_in_a_recorded_run_is_caught_once_with_its_peak_as_onset():
+  """A collapse that happened (the stabiliser study's adaptive-KL arm, seed 0): the controller drove the KL
+  coefficient up 20x and pulled the policy back toward the reference, the batch reward fell from ~0.8 to
+  ~0.7 and the held-out accuracy from 90.2% to 86.7%.  One alarm, onset at the reward's peak, found while
+  the coefficient is still climbing; the noise margin that silences small-batch plateaus lets it through."""
+  curve = json.load(open(os.path.join(ROOT, "tests", "data", "grpo_tiny_adaptive_kl_seed0_curve.json")))
+  keys = [k for k in curve if k not in ("source", "step")]
+  alarms = Alarms(AlarmSettings())
+  fired = [a for i, s in enumerate(curve["step"]) for a in alarms.update(s, {k: curve[k][i] for k in keys})]
+  assert len(curve["step"]) == 400 and [a.kind for a in fired] == ["reward_collapse"]
+  a = fired[0]
+  e = a.evidence
+  assert a.onset == e["peak_step"] < a.step and e["peak"] - e["reward_smoothed"] > e["noise_margin"]
+  at_peak, at_alarm = (curve["kl_coef"][curve["step"].index(s)] for s in (a.onset, a.step))
+  assert at_alarm > 1.5 * at_peak and at_alarm > 10 * curve["kl_coef"][0]
+
+
 def test_the_embedded_defaults_recorded_learning_curve_raises_nothing():
   """The logged curve of `make run` (seed 0, 400 RL steps, 32.0% -> 89.5% held-out) replayed through the
   shipped thresholds: a healthy run of the embedded default raises no alarm."""
