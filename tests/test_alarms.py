@@ -223,6 +223,12 @@ SILENCE = {
   "grad_norm_collapse": "--alarm_grad_floor=1e-9",
   "reward_jitter": "--alarm_jitter_acf=0.999999",
 }
+
+
+def _silence_all_but(kind: str) -> list[str]:
+  return [flag for k, flag in SILENCE.items() if k != kind]
+
+
 # How each shape is provoked in a real run of the tiny model, the threshold its evidence crossed (the
 # shipped one, but for the value-loss spike), and what the first step after the rollback shows instead.
 PROVOKED = {
@@ -274,7 +280,7 @@ def test_each_provoked_shape_is_caught_recorded_and_rolled_back(kind, tmp_path):
   run_dir = tmp_path / "run"
   provoke, crossed, healthy = PROVOKED[kind]
   flags = _rollback_run(run_dir, sft_steps=40, max_steps=14, rollbacks=1)
-  silence = [flag for k, flag in SILENCE.items() if k != kind]
+  silence = _silence_all_but(kind)
   assert main(["prog", *flags, *silence, *provoke]) == 0
   rows = [json.loads(line) for line in open(run_dir / "alarms.jsonl")]
   assert rows and {r["kind"] for r in rows} == {kind}
@@ -313,7 +319,7 @@ def test_a_fixed_prompt_order_jitters_and_the_alarm_reshuffles_it(async_rollout,
     (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   run_dir = tmp_path / "run"
   flags = _rollback_run(run_dir, sft_steps=40, max_steps=32, rollbacks=1)
-  silence = [flag for k, flag in SILENCE.items() if k != "reward_jitter"]
+  silence = _silence_all_but("reward_jitter")
   data = [
     "--task=jsonl",
     f"--data_path={tmp_path / 'train.jsonl'}",

@@ -161,7 +161,8 @@ class RLRun:
     # The isolation untrusted code runs under (build_task enforced the policy; None: the task runs no
     # code), recorded in config.json and summary.json.
     self.sandbox = check_sandbox(cfg.data)
-    train_pool(self.task, cfg.data, cfg.run.seed)  # --train_prompts checked against the task before any compute
+    # The finite prompt set of --train_prompts / --data_order (checked against the task before any compute).
+    pool = train_pool(self.task, cfg.data, cfg.run.seed)
     self.buckets = cfg.rollout.buckets
     loop_key, init_key, self._sft_key, self._rl_key = jax.random.split(jax.random.key(cfg.run.seed), 4)
     # The judge's own sampling stream (a separate derivation, so the four keys above are unchanged).
@@ -241,7 +242,7 @@ class RLRun:
       self._generation_shardings = sharding.generation_shardings(self._init_params, self.rollout_mesh)
     sampler = factory(nnx.merge(self.graphdef, self.rollout_params(self._init_params)), self.rollout_mesh or self.mesh)
     # ---- the rollout side: prompts -> generation -> rewards -> Experience (host state only)
-    self.worker = RolloutWorker(cfg, self.task, self.tokenizer, sampler, rewarder, loop_key)
+    self.worker = RolloutWorker(cfg, self.task, self.tokenizer, sampler, rewarder, loop_key, pool=pool)
     # Async rollout: a producer owns the worker and runs up to --max_staleness versions ahead; a thread of
     # its own in one process, the learner's thread with several (every host issues its programs, and so
     # its collectives, in one order).
@@ -585,7 +586,8 @@ class RLRun:
 
   def _restore_rollout_side(self, meta: dict[str, Any]) -> None:
     """The rollout side's host state saved in the metadata: the data RNG, the curriculum's pool and
-    estimates, the reward normaliser, the batch records (the key came back with the arrays)."""
+    estimates, the prompt order's position, the reward normaliser, the batch records (the key came back
+    with the arrays)."""
     ctl = meta.get("controllers", {})
     self.worker.load_host_state(
       data_rng=meta["data_rng"],
@@ -595,6 +597,8 @@ class RLRun:
       # Pending batches (async rollout) are regenerated; only the consumed ones are history.
       batches=[b for b in meta["buffer"]["batches"] if b.get("status", "consumed") == "consumed"],
     )
+    if self.reshuffled:  # a reward-jitter intervention stays in effect through any later rollback
+      self.worker.reshuffle()
 
   def _restore_reference(self, state: LearnerState) -> LearnerState:
     if not self.use_kl:
@@ -971,8 +975,6 @@ class RLRun:
     if critic:
       restored = restored.replace(value=restored.value.replace(lr_scale=state.value.lr_scale * lg.alarm_lr_factor))
     self._restore_rollout_side(meta)
-    if self.reshuffled:
-      self.worker.reshuffle()  # an earlier reward-jitter intervention stays in effect, as the LR scale does
     ctl = meta.get("controllers", {})
     self.ledger.load_state_dict(ctl.get("ledger"))
     self.alarms.load_state_dict(ctl.get("alarms"))

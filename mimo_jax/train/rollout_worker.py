@@ -211,9 +211,20 @@ class RolloutWorker:
     sampler: the generator (:class:`~mimo_jax.rollout.Sampler`, or a scripted stand-in in tests).
     rewarder: the composite reward (``build_task_reward``).
     key: the generation key stream's starting key.
+    pool: the finite prompt set of :func:`train_pool`, when the caller has it already (None: made here).
   """
 
-  def __init__(self, cfg: Config, task: Any, tokenizer: Any, sampler: Any, rewarder: Any, key: jax.Array):
+  def __init__(
+    self,
+    cfg: Config,
+    task: Any,
+    tokenizer: Any,
+    sampler: Any,
+    rewarder: Any,
+    key: jax.Array,
+    *,
+    pool: list[Any] | None = None,
+  ):
     self.cfg = cfg
     self.task = task
     self.tokenizer = tokenizer
@@ -228,7 +239,7 @@ class RolloutWorker:
     self.key_data = np.asarray(jax.random.key_data(key))
     self.data_rng = np.random.default_rng(cfg.run.seed)
     self.prompt_sampler = self._prompt_sampler() if cfg.data.curriculum or cfg.data.is_mixture else None
-    self.train_pool = train_pool(self.task, cfg.data, cfg.run.seed)
+    self.train_pool = pool if pool is not None else train_pool(task, cfg.data, cfg.run.seed)
     self.prompt_stream = None
     if cfg.data.data_order != "sample":
       shuffle = cfg.data.data_order == "shuffle"
