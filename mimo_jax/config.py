@@ -737,7 +737,23 @@ class RunConfig:
     0.1, "--dry_run_topology: share of each device's memory to keep free; less is refused as not fitting.", ge=0, lt=1
   )
   debug_nan_steps: tuple[int, ...] = field(
-    (), "Fault injection for tests: RL steps (comma-separated) whose advantages are NaN.", items=int, ge=1, min_length=0
+    (),
+    "Fault injection for tests: RL steps (comma-separated, 0-based: 3 is the 4th logged RL step) whose "
+    "advantages are NaN.",
+    items=int,
+    ge=1,
+    min_length=0,
+  )
+  debug_lr_spike_steps: tuple[int, ...] = field(
+    (),
+    "Fault injection for tests: logged RL steps (comma-separated, as in metrics.jsonl) whose policy update "
+    "runs at --debug_lr_spike_factor times the learning rate, once each (redone after a rollback, it runs normally).",
+    items=int,
+    ge=1,
+    min_length=0,
+  )
+  debug_lr_spike_factor: float = field(
+    1000.0, "Fault injection for tests: the learning-rate multiplier of the --debug_lr_spike_steps.", gt=0
   )
 
   def __post_init__(self):
@@ -809,8 +825,9 @@ ADDED_SETTINGS = {
     "alarm_kl_factor",
   ),
   "checkpoint": ("keep_best",),
-  "run": ("stop_at_step", "rm_steps", "sft_curriculum_steps"),
-  "optim": ("rm_learning_rate",),
+  "run": ("stop_at_step", "rm_steps", "sft_curriculum_steps", "debug_lr_spike_steps", "debug_lr_spike_factor"),
+  # sft_grad_clip absent: the warm start was clipped at --grad_clip (ADDED_FROM).
+  "optim": ("rm_learning_rate", "sft_grad_clip"),
   # Absent reads as auto: it differs from the older recompute by rounding only, and only in training.
   "algo": ("behaviour_logprobs",),
   "data": (
@@ -825,8 +842,13 @@ ADDED_SETTINGS = {
     "judge_samples",
     "judge_max_new_tokens",
     "judge_temperature",
+    "digit_reward_weight",
+    "data_order",
+    "train_prompts",
   ),
 }
+# Added settings whose older behaviour was another setting's value: absent, they read as that field.
+ADDED_FROM = {"optim": {"sft_grad_clip": "grad_clip"}}
 
 
 def validate(cfg: Config, num_devices: int) -> None:

@@ -1,7 +1,7 @@
 """Failure-shape alarms: each detector provoked on a curve of its shape (and quiet on healthy ones), the
-record it writes, and real runs whose KL blow-up, entropy collapse, length explosion, value-loss spike or
-grad-norm collapse an alarm catches and rolls back, and whose periodic reward from a fixed prompt order
-the alarm breaks by reshuffling."""
+record it writes, and real runs whose reward collapse, KL blow-up, entropy collapse, length explosion,
+value-loss spike or grad-norm collapse an alarm catches and rolls back, and whose periodic reward from a
+fixed prompt order the alarm breaks by reshuffling."""
 
 from __future__ import annotations
 
@@ -301,6 +301,50 @@ def test_each_provoked_shape_is_caught_recorded_and_rolled_back(kind, tmp_path):
   if kind == "value_loss_spike":
     assert [m["value_lr_scale"] for m in rl] == [1.0] * back + [0.5] * (14 - back)
     assert "critic learning rate x0.5" in first["action"]
+
+
+def test_a_learning_rate_spike_after_a_rise_is_a_reward_collapse_caught_and_rolled_back(tmp_path):
+  """The reports' first shape, live: the reward rises (16 prompts whose answer is 7, from a barely warmed
+  start at learning rate 1e-2: ~0.05 -> ~0.55 in 10 steps), then one update at 1000x the learning rate
+  (``--debug_lr_spike_steps``, the loss spike of a bad batch) wipes it out: the reward falls to 0 and, left
+  alone, stays there.  At the shipped thresholds (the others silenced) the alarm fires once, its onset at
+  the reward's peak, and rolls back to a checkpoint from before the peak with the learning rate halved and
+  the KL coefficient doubled; the redone steps (the spike is one-shot) keep the reward that was reached."""
+  from mimo_jax.main import main
+
+  rows = [{"prompt": f"Easy question {i}: write the number seven.", "answer": "7"} for i in range(16)]
+  heldout = [{"prompt": f"Held-out question {i}: write the number seven.", "answer": "7"} for i in range(4)]
+  for name, data in (("train", rows), ("test", heldout)):
+    (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+  run_dir = tmp_path / "run"
+  flags = _rollback_run(run_dir, sft_steps=4, max_steps=24, rollbacks=1)
+  provoke = [
+    "--task=jsonl",
+    f"--data_path={tmp_path / 'train.jsonl'}",
+    f"--eval_data_path={tmp_path / 'test.jsonl'}",
+    "--eval_prompts=4",
+    "--learning_rate=1e-2",
+    "--debug_lr_spike_steps=12",
+  ]
+  assert main(["prog", *flags, *_silence_all_but("reward_collapse"), *provoke]) == 0
+  alarms = [json.loads(line) for line in open(run_dir / "alarms.jsonl")]
+  assert [a["kind"] for a in alarms] == ["reward_collapse"]
+  a, e = alarms[0], alarms[0]["evidence"]
+  # The policy the spike made earns nothing: the two records after it show a reward of 0.
+  assert e["reward_smoothed"] == 0.0 and e["peak"] - e["first"] > max(0.05, e["noise_margin"])
+  assert a["onset"] == e["peak_step"] <= 12 < a["step"] <= 14 and a["diagnosis"] == list(DIAGNOSIS["reward_collapse"])
+  assert a["action"].startswith("rolled back to RL step") and "learning rate x0.5, KL coefficient x2" in a["action"]
+  back = int(a["action"].split("RL step ")[1].split(";")[0])
+  assert back <= a["onset"] - 2
+  rl = [m for m in map(json.loads, open(run_dir / "metrics.jsonl")) if "reward_mean" in m]
+  assert [m["step"] for m in rl] == list(range(1, 25)) and rl[-1]["alarm_rollbacks"] == 1
+  assert [m["kl_coef"] for m in rl] == pytest.approx([0.001] * back + [0.002] * (24 - back))
+  # The spike is not redone (one-shot) and the halved learning rate is in effect: every logged rate is at
+  # most the base schedule's peak, and the redone steps' at most half of it.
+  assert max(m["lr"] for m in rl) <= 1e-2 * (1 + 1e-6) and max(m["lr"] for m in rl[back:]) <= 0.5e-2 * (1 + 1e-6)
+  # Recovered: no redone step earns nothing, and they hold the reward the rise reached.
+  redone = [m["reward_mean"] for m in rl[back:]]
+  assert min(redone) > 0.2 and np.mean(redone) > 0.8 * e["peak"]
 
 
 @pytest.mark.parametrize("async_rollout", [False, True], ids=["sync", "async"])

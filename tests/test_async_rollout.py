@@ -17,6 +17,7 @@ from mimo_jax.config import ConfigError, validate
 from mimo_jax.main import main, parse_config
 from mimo_jax.testing import count_compilations, kill_resume
 from mimo_jax.train.async_rollout import AsyncRollout, RolloutStopped
+from mimo_jax.train.learner import Faults
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGFILE = os.path.join(ROOT, "experiments", "grpo_tiny.flags")
@@ -394,14 +395,14 @@ def test_stale_ratios_equal_a_direct_recomputation_under_the_generating_policy(t
   # Rewards that differ within groups (the tiny model's own are all 0), so the advantages are not 0.
   exp = batch.experience
   exp = exp.replace(rewards=np.arange(exp.rewards.shape[0], dtype=np.float32) % 3)
-  _, metrics = run.learner.learn(state, exp, jnp.int32(2), jnp.bool_(False))
+  _, metrics = run.learner.learn(state, exp, jnp.int32(2), Faults.none())
   metrics = jax.device_get(metrics)
   # The weights reach the update: the uncorrected learner's loss on the same state and batch differs.
   from mimo_jax.train.learner import build_learner
 
   plain_cfg = parse_config(["prog", *SMALL, "--is_correction=none", "--behaviour_logprobs=recompute"])
   plain = build_learner(plain_cfg, run.mesh, run.graphdef)
-  _, plain_metrics = plain.learn(same_state, exp, jnp.int32(2), jnp.bool_(False))
+  _, plain_metrics = plain.learn(same_state, exp, jnp.int32(2), Faults.none())
   assert float(plain_metrics["train"]["pg_loss"]) != pytest.approx(float(metrics["train"]["pg_loss"]), rel=1e-4)
   np.testing.assert_allclose(plain_metrics["rollout"]["is_ratio_mean"], metrics["rollout"]["is_ratio_mean"], rtol=1e-6)
 
@@ -569,7 +570,7 @@ def test_a_truncating_sampler_is_corrected_by_default_and_its_ratios_are_at_most
   run = _learner_run(tmp_path, "--top_k=3")
   state = run.begin_rl(run.fresh_state("rl").params, {})
   exp = run.worker.produce(0, 0).experience
-  _, metrics = run.learner.learn(state, exp, jnp.int32(0), jnp.bool_(False))
+  _, metrics = run.learner.learn(state, exp, jnp.int32(0), Faults.none())
   m = jax.device_get(metrics["rollout"])
   assert m["is_ratio_max"] <= 1 + 1e-5 and m["is_ratio_mean"] < 0.999
   assert m["staleness_max"] == 0 and m["sampler_learner_kl"] > 0

@@ -326,7 +326,8 @@ def test_list_flags_become_tuples_of_numbers():
   assert cfg.data.arith_levels == (3,)
   assert cfg.algo.phase_fracs == (0.2, 0.6, 0.2) and all(type(v) is float for v in cfg.algo.phase_fracs)
   assert cfg.run.debug_nan_steps == (4, 7)
-  assert parse_config(["prog"]).run.debug_nan_steps == ()
+  assert parse_config(["prog"]).run.debug_nan_steps == () == parse_config(["prog"]).run.debug_lr_spike_steps
+  assert parse_config(["prog", "--debug_lr_spike_steps=12"]).run.debug_lr_spike_steps == (12,)
   assert parse_config(["prog", "--curriculum_band=0,1"]).data.curriculum_band == (0.0, 1.0)
 
 
@@ -342,6 +343,7 @@ def test_list_flags_become_tuples_of_numbers():
     (["--phase_smoothing=0.9,1,0.9"], "--phase_smoothing='0.9,1.0,0.9': every element must be in [0, 1)"),
     (["--phase_fracs=0.5,0.5,0.5"], "--phase_fracs='0.5,0.5,0.5': 3 fractions > 0 summing to 1"),
     (["--debug_nan_steps=0"], "--debug_nan_steps='0': every element must be >= 1"),
+    (["--debug_lr_spike_steps=0"], "--debug_lr_spike_steps='0': every element must be >= 1"),
   ],
 )
 def test_bad_list_values_are_refused_naming_flag_and_rule(argv, message):

@@ -231,6 +231,13 @@ def test_config_from_dict_round_trips_and_names_bad_fields():
     for name in names:
       del d[concern][name]
   assert config_from_dict(d) == cfg
+  # A real older run's config.json (every setting the release before ADDED_SETTINGS had) still reads: a
+  # setting added since and missing from ADDED_SETTINGS fails here.  The warm start's clip was --grad_clip.
+  old = json.load(open(os.path.join(ROOT, "tests", "data", "config_before_added_settings.json")))
+  old["optim"]["grad_clip"] = 0.5
+  read = config_from_dict(old)
+  assert read.optim.sft_grad_clip == 0.5 and read.data.data_order == "sample" and read.data.train_prompts == 0
+  assert read.run.debug_lr_spike_steps == () and read.data.digit_reward_weight == 0.0
   d = cfg.to_dict()
   d["run"]["max_steps"] = "ten"
   with pytest.raises(ConfigError, match=r"run\.max_steps='ten' \(expected int\)"):

@@ -515,7 +515,7 @@ def test_the_samplers_behaviour_logprobs_stand_in_for_the_learners_behaviour_pas
   """--behaviour_logprobs=sampler (what auto picks in synchronous runs): one forward pass fewer, the same update."""
   import dataclasses
 
-  from mimo_jax.train.learner import build_learner, sampler_behaviour
+  from mimo_jax.train.learner import Faults, build_learner, sampler_behaviour
   from mimo_jax.train.loop import RLRun
 
   cfg = _cfg(tmp_path, "--mesh_fsdp=8", "--top_k=8", "--behaviour_logprobs=recompute")
@@ -528,7 +528,7 @@ def test_the_samplers_behaviour_logprobs_stand_in_for_the_learners_behaviour_pas
   outs = []
   for c in (cfg, fast):
     learner = build_learner(c, run.mesh, run.graphdef)
-    new, metrics = learner.learn(jax.tree.map(jnp.copy, state), exp, jnp.int32(0), jnp.bool_(False))
+    new, metrics = learner.learn(jax.tree.map(jnp.copy, state), exp, jnp.int32(0), Faults.none())
     outs.append((new, jax.device_get(metrics)))
   (slow_state, slow), (fast_state, quick) = outs
   for key in ("loss", "pg_loss", "kl_k3", "entropy", "grad_norm"):

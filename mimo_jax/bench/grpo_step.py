@@ -94,7 +94,7 @@ def measure(flags: Sequence[str], steps: int, programs: int = 3) -> dict:
   import jax.numpy as jnp
 
   from mimo_jax.main import parse_config
-  from mimo_jax.train.learner import uses_kl
+  from mimo_jax.train.learner import Faults, uses_kl
   from mimo_jax.train.loop import RLRun
   from mimo_jax.train.steps import make_score_fn
 
@@ -142,7 +142,7 @@ def measure(flags: Sequence[str], steps: int, programs: int = 3) -> dict:
       jax.block_until_ready(score(state.policy.params, state.reference, seqs, exp.temperature))
       score_s.append(time.perf_counter() - t0)
       t0 = time.perf_counter()
-      state, metrics = run.learner.learn(state, exp, jnp.int32(steps + i), jnp.bool_(False))
+      state, metrics = run.learner.learn(state, exp, jnp.int32(steps + i), Faults.none())
       jax.block_until_ready(metrics)
       learn_s.append(time.perf_counter() - t0)
     run.close()

@@ -33,7 +33,7 @@ from mimo_jax.main import parse_config
 from mimo_jax.models import Transformer, create_sharded
 from mimo_jax.optim import TrainState, commit_like_params
 from mimo_jax.sharding import build_mesh
-from mimo_jax.train.learner import Experience, LearnerState, build_learner, init_controller_state
+from mimo_jax.train.learner import Experience, Faults, LearnerState, build_learner, init_controller_state
 
 GiB = 2**30
 GROUP = 4
@@ -114,20 +114,20 @@ def run(args: argparse.Namespace) -> list[dict]:
     del model, params
     exp = _experience(args.rows, args.prompt_len, args.completion_len, model_cfg.vocab_size)
     tokens = int(np.asarray(exp.completion_mask).sum())
-    step, poison = jnp.int32(0), jnp.bool_(False)
+    step, faults = jnp.int32(0), Faults.none()
     t0 = time.perf_counter()
-    compiled = learner.learn.lower(state, exp, step, poison).compile()
+    compiled = learner.learn.lower(state, exp, step, faults).compile()
     compile_s = time.perf_counter() - t0
     temp = compiled.memory_analysis().temp_size_in_bytes
     # Timed through the AOT executable itself: the learner declares the state's layout on its output, so
     # the executable accepts the state it returns (two warm-up calls).
     for _ in range(2):
-      state, metrics = compiled(state, exp, step, poison)
+      state, metrics = compiled(state, exp, step, faults)
       jax.block_until_ready(metrics)
     times = []
     for _ in range(args.repeats):
       t0 = time.perf_counter()
-      state, metrics = compiled(state, exp, step, poison)
+      state, metrics = compiled(state, exp, step, faults)
       jax.block_until_ready(metrics)
       times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)

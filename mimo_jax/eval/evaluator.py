@@ -29,7 +29,7 @@ from flax import nnx
 
 from mimo_jax import sharding
 from mimo_jax.ckpt.manager import CheckpointCorrupted, Checkpointer
-from mimo_jax.config import ADDED_SETTINGS, CONCERN_CLASSES, RUN_RECORD_KEYS, Config, default_ks
+from mimo_jax.config import ADDED_FROM, ADDED_SETTINGS, CONCERN_CLASSES, RUN_RECORD_KEYS, Config, default_ks
 from mimo_jax.config_base import ConfigError, coerce_value
 from mimo_jax.eval.metrics import majority_at_k, pass_at_k
 from mimo_jax.models import ModelConfig, Transformer, abstract_state
@@ -292,7 +292,8 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
   different version of the trainer is refused rather than silently completed with defaults.
   The run records a ``config.json`` also holds (``RUN_RECORD_KEYS``: the sandbox isolation of
   the machine, the code's provenance) are not settings and are skipped.  Settings added later
-  (``ADDED_SETTINGS``, each defaulting to the older behaviour) may be absent.
+  (``ADDED_SETTINGS``, each defaulting to the older behaviour, or to another field's value where
+  ``ADDED_FROM`` names one) may be absent.
 
   Args:
     d: ``{concern: {field: value}}``, plus optional run records.
@@ -330,6 +331,9 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
         wrong_type.append(f"{concern}.{name}={value!r} (expected {expected.__name__})")
         continue
       kwargs[name] = value
+    for name, source in ADDED_FROM.get(concern, {}).items():
+      if name not in values and source in kwargs:
+        kwargs[name] = kwargs[source]
     parts[concern] = (cls, kwargs)
   problems = []
   if unknown:

@@ -39,7 +39,7 @@ from mimo_jax.models.transformer import KV_CACHE_LOGICAL_AXES
 from mimo_jax.optim import TrainState, abstract_opt_state
 from mimo_jax.rollout import Sampler, SamplingParams
 from mimo_jax.topology import Topology, parse_topology, topology_devices
-from mimo_jax.train.learner import Experience, LearnerState, build_learner, init_controller_state, uses_kl
+from mimo_jax.train.learner import Experience, Faults, LearnerState, build_learner, init_controller_state, uses_kl
 
 GiB = 1024**3
 
@@ -202,7 +202,10 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
     batch_id=rows((B,), jnp.int32),
   )
   step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-  poison = jax.ShapeDtypeStruct((), bool, sharding=replicated)
+  faults = Faults(
+    nan_advantages=jax.ShapeDtypeStruct((), bool, sharding=replicated),
+    lr_mult=jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),
+  )
 
   def nbytes(tree) -> int:
     return per_device_bytes(tree) if tree is not None else 0
@@ -277,7 +280,7 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
       refused[name] = _compiler_refusal(str(e))
     times[name] = time.perf_counter() - t
 
-  compile_program("learn", lambda: learner.learn.lower(abs_state, exp, step, poison))
+  compile_program("learn", lambda: learner.learn.lower(abs_state, exp, step, faults))
   sampler = Sampler(nnx.merge(graphdef, gen_params), mesh=gen_mesh)
   gen_replicated = NamedSharding(gen_mesh, PartitionSpec())
   compile_program(

@@ -291,14 +291,37 @@ def init_controller_state(cfg: Config) -> ControllerState:
 # ----------------------------------------------------------------------------
 
 
+@flax.struct.dataclass
+class Faults:
+  """Fault-injection inputs of the learn program (tests provoke failures with them; a normal step passes
+  :meth:`none`).
+
+  Attributes:
+    nan_advantages: bool scalar; True replaces row 0's advantages with NaN (``--debug_nan_steps``).
+    lr_mult: float32 scalar multiplying the policy update's learning rate this step
+      (``--debug_lr_spike_steps``; 1 otherwise).
+  """
+
+  nan_advantages: jax.Array
+  lr_mult: jax.Array
+
+  @classmethod
+  def of(cls, *, nan_advantages: bool = False, lr_mult: float = 1.0) -> Faults:
+    return cls(nan_advantages=jnp.bool_(nan_advantages), lr_mult=jnp.float32(lr_mult))
+
+  @classmethod
+  def none(cls) -> Faults:
+    return cls.of()
+
+
 @dataclasses.dataclass(frozen=True)
 class Learner:
   """The compiled learn step of one configuration and the optimizers its state was built with.
 
   Attributes:
-    learn: jitted ``(state, experience, step, poison) -> (state, metrics)``; ``state`` is
-      donated.  ``step`` is the 0-based RL step (int32 scalar); ``poison`` (bool scalar) is a
-      fault-injection input for tests: True replaces row 0's advantages with NaN.
+    learn: jitted ``(state, experience, step, faults) -> (state, metrics)``; ``state`` is
+      donated.  ``step`` is the 0-based RL step (int32 scalar); ``faults`` (:class:`Faults`) are the
+      fault-injection inputs for tests (``Faults.none()`` in a normal step).
     tx: the policy optimizer.
     schedule: its base LR schedule.
     value_tx: the critic's optimizer (None without a critic).
@@ -366,7 +389,7 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
   warmup = a.value_warmup_steps
   correction = is_correction(cfg)
 
-  def learn(state: LearnerState, exp: Experience, step: jax.Array, poison: jax.Array):
+  def learn(state: LearnerState, exp: Experience, step: jax.Array, faults: Faults):
     seqs = exp.sequences
     # ---- score: behaviour and reference log-probs, critic values
     old_logp, ref_logp = score(state.policy.params, state.reference, seqs, exp.temperature)
@@ -376,6 +399,7 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
     # ---- coefficients and advantages
     base_lr = schedule(state.policy.step)
     coefs = coefficients(state.controllers, step, base_lr / peak)
+    coefs = coefs.replace(lr_mult=coefs.lr_mult * faults.lr_mult)
     adv_in = AdvantageInputs(
       rewards=exp.rewards,
       lengths=exp.lengths,
@@ -402,7 +426,7 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
       "staleness_mean": jnp.mean(staleness),
       "staleness_max": jnp.max(staleness),
     }
-    adv = adv.at[0].set(jnp.where(poison, jnp.nan, adv[0]))
+    adv = adv.at[0].set(jnp.where(faults.nan_advantages, jnp.nan, adv[0]))
     batch = PolicyBatch(
       prompt_tokens=exp.prompt_tokens,
       prompt_mask=exp.prompt_mask,

@@ -52,6 +52,7 @@ from mimo_jax.train.alarms import Alarms, alarm_settings
 from mimo_jax.train.async_rollout import AsyncRollout
 from mimo_jax.train.learner import (
   Experience,
+  Faults,
   LearnerState,
   build_learner,
   init_controller_state,
@@ -302,6 +303,7 @@ class RLRun:
     self.best_value: float | None = None  # --keep_best: read from best/ when first needed
     self.best_ckpt = None
     self.nan_steps = set(cfg.run.debug_nan_steps)
+    self.spike_steps = set(cfg.run.debug_lr_spike_steps)
 
   def rollout_params(self, params: Any) -> Any:
     """``params`` where the sampler reads them: the live learner weights on a shared mesh, or their copy on
@@ -760,9 +762,15 @@ class RLRun:
     jax.block_until_ready(rollout)
     t1 = time.perf_counter()
     # ---- learn: score -> advantages -> policy update -> critic passes -> controllers (state donated)
-    poison = step in self.nan_steps  # fault injection (--debug_nan_steps): NaN advantages on row 0
+    # Fault injection (--debug_nan_steps: NaN advantages on row 0; --debug_lr_spike_steps: the learning rate
+    # times --debug_lr_spike_factor), once per listed step: a step redone after a rollback runs normally.
+    faults = Faults.of(
+      nan_advantages=step in self.nan_steps,
+      lr_mult=self.cfg.run.debug_lr_spike_factor if step + 1 in self.spike_steps else 1.0,  # logged steps
+    )
     self.nan_steps.discard(step)
-    state, metrics = self.learner.learn(state, self.to_learner(batch.experience), jnp.int32(step), jnp.bool_(poison))
+    self.spike_steps.discard(step + 1)
+    state, metrics = self.learner.learn(state, self.to_learner(batch.experience), jnp.int32(step), faults)
     if self.rollout is None:
       self.worker.update_params(state.params)
     metrics, lengths, finish, prompt_mask = multihost.to_host(
