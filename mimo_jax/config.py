@@ -649,6 +649,13 @@ class LoggingConfig:
     choices=("log", "rollback"),
   )
   max_alarm_rollbacks: int = field(2, "With --on_alarm=rollback: at most this many alarm rollbacks per run.", ge=0)
+  time_split: str = field(
+    "measured",
+    "How the learner's time (time_train_s) splits into time_score_s and time_update_s: measured (the score "
+    "pass and the update run as two programs and the first is timed alone; one host wait between them) or "
+    "apportioned (one program, its time split by counted FLOPs).",
+    choices=("measured", "apportioned"),
+  )
   alarm_window: int = field(10, "Alarm smoothing window in RL steps (nothing fires before two windows).", ge=2)
   alarm_reward_drop: float = field(
     0.5, "reward_collapse: the smoothed reward lost this fraction of its rise above the first window.", gt=0, le=1
@@ -823,6 +830,7 @@ ADDED_SETTINGS = {
     "alarm_jitter_acf",
     "alarm_lr_factor",
     "alarm_kl_factor",
+    "time_split",
   ),
   "checkpoint": ("keep_best",),
   "run": ("stop_at_step", "rm_steps", "sft_curriculum_steps", "debug_lr_spike_steps", "debug_lr_spike_factor"),

@@ -195,10 +195,13 @@ def _cfg(tmp_path, *extra) -> Config:
   return parse_config(["prog", f"--flagfile={path}", f"--run_dir={tmp_path}", *FAST, *extra])
 
 
-def test_rl_steps_compile_nothing_after_warmup_and_keep_heldout_out(tmp_path):
+@pytest.mark.parametrize("time_split", ["measured", "apportioned"])
+def test_rl_steps_compile_nothing_after_warmup_and_keep_heldout_out(tmp_path, time_split):
+  """Either way of timing the learner (two programs, the score pass timed alone; or one program whose time
+  is split by counted FLOPs) compiles its programs once."""
   from mimo_jax.train.loop import RLRun
 
-  cfg = _cfg(tmp_path, "--mesh_fsdp=4", "--mesh_data=2")
+  cfg = _cfg(tmp_path, "--mesh_fsdp=4", "--mesh_data=2", f"--time_split={time_split}")
   run = RLRun(cfg, str(tmp_path))
   run.open_logger(None)
   state = run.begin_rl(run.fresh_state("rl").params, {})
@@ -210,6 +213,13 @@ def test_rl_steps_compile_nothing_after_warmup_and_keep_heldout_out(tmp_path):
       state, (record, hist, _) = run.step(state, step)
   assert c.count == 0
   assert record["time_step_s"] > 0
+  assert record["time_score_s"] + record["time_update_s"] == pytest.approx(record["time_train_s"])
+  scored = record["flops_score"] + record["flops_reference"]
+  share = scored / (scored + record["flops_learn"])
+  if time_split == "apportioned":
+    assert record["time_score_s"] == pytest.approx(record["time_train_s"] * share) and 0 < share < 1
+  else:
+    assert 0 < record["time_score_s"] < record["time_train_s"]
   assert set(hist) == {"reward_hist", "response_len_hist", "reward/correct", "reward/mixed"}
   # Training prompts never come from the held-out split.
   seen = {p.uid for p in run.task.sample(np.random.default_rng(0), 2000)}
@@ -241,11 +251,10 @@ def test_end_to_end_run_writes_the_run_directory(tmp_path, capsys):
   ):
     assert key in rl[0], key
   assert "eval/greedy_accuracy" in rl[1] and "time_checkpoint_s" in rl[1]
-  # The learner's time split by counted FLOPs: the score passes (behaviour + reference) and the rest.
+  # The learner's time split, measured (the default): the score pass (its own program) and the rest.
   for r in rl:
     assert r["time_score_s"] + r["time_update_s"] == pytest.approx(r["time_train_s"])
-    share = (r["flops_score"] + r["flops_reference"]) / (r["flops_score"] + r["flops_reference"] + r["flops_learn"])
-    assert r["time_score_s"] == pytest.approx(r["time_train_s"] * share) and 0 < share < 1
+    assert 0 < r["time_score_s"] < r["time_train_s"]
   assert sorted({k for r in lines for k in r if describe(k) is None}) == []  # the README's naming table
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["seed"] == 0 and summary["rl_steps"] == 3 and summary["final_checkpoint_s"] > 0
@@ -331,7 +340,7 @@ def test_grpo_step_benchmark_times_the_trainers_step_and_its_programs():
   from mimo_jax.bench import grpo_step
 
   flags = ["--model_preset=tiny", "--prompts_per_step=8", "--num_samples=2", "--max_new_tokens=4", "--mesh_fsdp=8"]
-  m = grpo_step.measure(flags, steps=3, programs=1)
+  m = grpo_step.measure(flags, steps=3)
   assert m["first_step_s"] > m["steady_step_s"] > 0  # the first step compiles
   assert m["score_s"] > 0 and m["learn_s"] > 0 and m["generate_s"] > 0 and m["devices"] == jax.device_count()
   assert 0 < m["score_apportioned_s"] < m["learn_s"]
@@ -544,6 +553,45 @@ def test_the_samplers_behaviour_logprobs_stand_in_for_the_learners_behaviour_pas
   assert sampler_behaviour(_cfg(tmp_path)) and not sampler_behaviour(_cfg(tmp_path, "--async_rollout"))
   with pytest.raises(ConfigError, match="--behaviour_logprobs='sampler': needs synchronous rollout"):
     validate(_cfg(tmp_path, "--behaviour_logprobs=sampler", "--async_rollout"), jax.device_count())
+
+
+@pytest.mark.parametrize(
+  "algo", [["--kl_coef=0.01"], ["--advantage=gae", "--use_value_model", "--kl_coef=0.01"]], ids=["grpo", "ppo"]
+)
+def test_the_learner_as_two_programs_is_the_one_program_step(tmp_path, algo):
+  """--time_split=measured runs the score pass (behaviour and reference log-probs, critic values) and the
+  update as two programs: the same new state and metrics as the one learn program."""
+  from mimo_jax.train.learner import Faults
+  from mimo_jax.train.loop import RLRun
+
+  cfg = _cfg(tmp_path, "--mesh_fsdp=8", "--behaviour_logprobs=recompute", "--warmup_steps=0", *algo)
+  run = RLRun(cfg, str(tmp_path))
+  run.open_logger(None)
+  try:
+    state = run.begin_rl(run.fresh_state("rl").params, {})
+    exp = run.to_learner(run.worker.produce(0, 0).experience)
+    exp = exp.replace(rewards=np.arange(exp.rewards.shape[0], dtype=np.float32) % 3)  # advantages not all 0
+    one, one_metrics = run.learner.learn(jax.tree.map(jnp.copy, state), exp, jnp.int32(0), Faults.none())
+    scores = run.learner.score(state, exp)
+    assert float(jnp.max(jnp.abs(scores.old_logprobs))) > 0 and float(jnp.max(jnp.abs(scores.ref_logprobs))) > 0
+    assert scores.values.shape == scores.old_logprobs.shape  # the critic's (its head starts at 0) or zeros
+    two, two_metrics = run.learner.update(jax.tree.map(jnp.copy, state), exp, scores, jnp.int32(0), Faults.none())
+    flat_one, flat_two = (jax.tree.leaves(jax.device_get(m)) for m in (one_metrics, two_metrics))
+    for a, b in zip(flat_one, flat_two, strict=True):
+      np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+    def leaves(tree):
+      keyless = jax.tree.map(
+        lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x, tree
+      )
+      return jax.tree.leaves(jax.device_get(keyless))
+
+    for a, b in zip(leaves(one), leaves(two), strict=True):
+      np.testing.assert_allclose(np.asarray(b, np.float64), np.asarray(a, np.float64), rtol=1e-5, atol=1e-6)
+    changed = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), state.params, two.params)
+    assert max(jax.tree.leaves(changed)) > 0  # a real update
+  finally:
+    run.close()
 
 
 def test_the_warm_start_takes_its_own_optimizer_flags_not_the_rl_policys(tmp_path):

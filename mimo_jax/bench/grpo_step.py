@@ -5,13 +5,13 @@
                                        [-- extra trainer flags, e.g. --tokenizer_path=...]
 
 Each measurement is one fresh process running the trainer's own RL step (``RLRun.step``: prompts ->
-the sampler's generate program -> decode -> rewards -> the one ``learn`` program) from a randomly
+the sampler's generate program -> decode -> rewards -> the learner's programs) from a randomly
 initialised policy, ``--steps`` steps: ``first_step_s`` is step 1 (every compilation included),
 ``steady_step_s`` the median over steps 3..N (the peer script's own definition), with the phases of the
-step (``generate``, ``reward``, ``learn``) and, measured in the same process after the timed steps, the
-learner split by program (``score_s``: the score pass alone, behaviour and reference log-probs, timed
-with ``block_until_ready``; ``update_s``: the rest of ``learn``; ``score_apportioned_s``: the trainer's own
-logged ``time_score_s``, the learner's time apportioned by counted FLOPs, to check it against).
+step (``generate``, ``reward``, ``learn``) and the learner's split as the trainer logs it (``score_s``: the
+score pass, behaviour and reference log-probs, a program of its own timed alone under the default
+``--time_split=measured``; ``update_s``: the rest) beside ``score_apportioned_s``, what splitting the
+learner's time by counted FLOPs (``--time_split=apportioned``) gives for the same steps.
 
 With ``--peer_script`` the peer (Google Tunix's GRPO loop, ``peer_tunix_grpo.sh`` from the project's
 peers) runs at the same shape in its own process, alternating with mimo-jax, ``--repeats`` rounds each;
@@ -88,15 +88,12 @@ PEER_FLAGS = {
 }
 
 
-def measure(flags: Sequence[str], steps: int, programs: int = 3) -> dict:
-  """One measurement in this process: ``steps`` RL steps, then the learner timed program by program."""
+def measure(flags: Sequence[str], steps: int) -> dict:
+  """One measurement in this process: ``steps`` RL steps of the trainer, each split as it logs it."""
   import jax
-  import jax.numpy as jnp
 
   from mimo_jax.main import parse_config
-  from mimo_jax.train.learner import Faults, uses_kl
   from mimo_jax.train.loop import RLRun
-  from mimo_jax.train.steps import make_score_fn
 
   with tempfile.TemporaryDirectory() as run_dir:
     cfg = parse_config(
@@ -122,47 +119,27 @@ def measure(flags: Sequence[str], steps: int, programs: int = 3) -> dict:
       state, (record, *_) = run.step(state, step)
       walls.append(time.perf_counter() - t0)
       records.append(record)
-    # The learner program by program, on one more batch: the score pass alone (its own jitted program,
-    # as the learner builds it), then the whole learn program.
-    a = cfg.algo
-    score = make_score_fn(
-      run.graphdef,
-      run.mesh,
-      use_reference=uses_kl(cfg),
-      logprob_impl=a.logprob_impl,
-      micro_batches=a.num_minibatches * a.grad_accum,
-      reference_offload=a.reference_offload,
-    )
-    exp = run.to_learner(run.worker.produce(steps, steps).experience)
-    seqs = exp.sequences
-    jax.block_until_ready(score(state.policy.params, state.reference, seqs, exp.temperature))
-    score_s, learn_s = [], []
-    for i in range(programs):
-      t0 = time.perf_counter()
-      jax.block_until_ready(score(state.policy.params, state.reference, seqs, exp.temperature))
-      score_s.append(time.perf_counter() - t0)
-      t0 = time.perf_counter()
-      state, metrics = run.learner.learn(state, exp, jnp.int32(steps + i), Faults.none())
-      jax.block_until_ready(metrics)
-      learn_s.append(time.perf_counter() - t0)
     run.close()
   steady = records[2:] or records
 
   def median(key: str) -> float:
     return statistics.median(r[key] for r in steady)
 
-  score_med, learn_med = statistics.median(score_s), statistics.median(learn_s)
+  def apportioned(r: dict) -> float:  # the learner's time split by counted FLOPs (--time_split=apportioned)
+    scored = r["flops_score"] + r["flops_reference"]
+    return r["time_train_s"] * scored / max(scored + r["flops_learn"], 1.0)
+
   return {
     "first_step_s": walls[0],
     "steady_step_s": statistics.median(walls[2:] or walls),
     "generate_s": median("time_generate_s"),
     "reward_s": median("time_reward_s"),
     "learn_s": median("time_train_s"),
-    "score_s": score_med,
-    "update_s": max(learn_med - score_med, 0.0),
-    # What the trainer logs as time_score_s (the learner's time apportioned by counted FLOPs), to set
-    # beside the score pass timed alone.
-    "score_apportioned_s": median("time_score_s"),
+    # The trainer's own split (--time_split=measured unless the flags say otherwise) and, beside it,
+    # what apportioning the learner's time by counted FLOPs would have logged.
+    "score_s": median("time_score_s"),
+    "update_s": median("time_update_s"),
+    "score_apportioned_s": statistics.median(apportioned(r) for r in steady),
     "completion_tokens_mean": median("response_len"),
     "devices": jax.device_count(),
   }

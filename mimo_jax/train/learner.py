@@ -314,6 +314,17 @@ class Faults:
     return cls.of()
 
 
+@flax.struct.dataclass
+class Scores:
+  """The score pass's outputs over a rollout's completion tokens (float32 ``[B, M]``): the behaviour
+  log-probs (the sampler's own under ``--behaviour_logprobs=sampler``), the reference's and the critic's
+  values (zeros without a reference, without a critic)."""
+
+  old_logprobs: jax.Array
+  ref_logprobs: jax.Array
+  values: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
 class Learner:
   """The compiled learn step of one configuration and the optimizers its state was built with.
@@ -322,12 +333,18 @@ class Learner:
     learn: jitted ``(state, experience, step, faults) -> (state, metrics)``; ``state`` is
       donated.  ``step`` is the 0-based RL step (int32 scalar); ``faults`` (:class:`Faults`) are the
       fault-injection inputs for tests (``Faults.none()`` in a normal step).
+    score: the same step's first part alone, jitted ``(state, experience) -> Scores`` (nothing donated).
+    update: the rest, jitted ``(state, experience, scores, step, faults) -> (state, metrics)`` (``state``
+      donated); ``update(state, exp, score(state, exp), step, faults)`` is ``learn``'s step as two
+      programs, so the score pass can be timed alone (``--time_split=measured``).
     tx: the policy optimizer.
     schedule: its base LR schedule.
     value_tx: the critic's optimizer (None without a critic).
   """
 
   learn: Any
+  score: Any
+  update: Any
   tx: optax.GradientTransformation
   schedule: optax.Schedule
   value_tx: optax.GradientTransformation | None
@@ -389,13 +406,17 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
   warmup = a.value_warmup_steps
   correction = is_correction(cfg)
 
-  def learn(state: LearnerState, exp: Experience, step: jax.Array, faults: Faults):
-    seqs = exp.sequences
+  def score_rollout(state: LearnerState, exp: Experience) -> Scores:
     # ---- score: behaviour and reference log-probs, critic values
+    seqs = exp.sequences
     old_logp, ref_logp = score(state.policy.params, state.reference, seqs, exp.temperature)
     if from_sampler:  # the sampler's own log-probs of its tokens: the same weights, temperature and softmax
       old_logp = jnp.where(exp.completion_mask, exp.logprobs, 0.0)
     values = values_of(state.value.params, seqs) if use_value else jnp.zeros_like(old_logp)
+    return Scores(old_logprobs=old_logp, ref_logprobs=ref_logp, values=values)
+
+  def update_from(state: LearnerState, exp: Experience, scores: Scores, step: jax.Array, faults: Faults):
+    old_logp, ref_logp, values = scores.old_logprobs, scores.ref_logprobs, scores.values
     # ---- coefficients and advantages
     base_lr = schedule(state.policy.step)
     coefs = coefficients(state.controllers, step, base_lr / peak)
@@ -495,7 +516,17 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
       metrics["kl_per_seq"] = kl_per_seq
     return new_state, metrics
 
-  return Learner(learn=StateLayoutJit(learn), tx=tx, schedule=schedule, value_tx=value_tx)
+  def learn(state: LearnerState, exp: Experience, step: jax.Array, faults: Faults):
+    return update_from(state, exp, score_rollout(state, exp), step, faults)
+
+  return Learner(
+    learn=StateLayoutJit(learn),
+    score=jax.jit(score_rollout),
+    update=StateLayoutJit(update_from),
+    tx=tx,
+    schedule=schedule,
+    value_tx=value_tx,
+  )
 
 
 class StateLayoutJit:
