@@ -650,11 +650,12 @@ class LoggingConfig:
   )
   max_alarm_rollbacks: int = field(2, "With --on_alarm=rollback: at most this many alarm rollbacks per run.", ge=0)
   time_split: str = field(
-    "measured",
+    "auto",
     "How the learner's time (time_train_s) splits into time_score_s and time_update_s: measured (the score "
-    "pass and the update run as two programs and the first is timed alone; one host wait between them) or "
-    "apportioned (one program, its time split by counted FLOPs).",
-    choices=("measured", "apportioned"),
+    "pass and the update run as two programs and the first is timed alone; one host wait between them), "
+    "apportioned (one program, its time split by counted FLOPs), or auto: measured, but apportioned on "
+    "several emulated CPU devices (where the update program alone can deadlock XLA:CPU's collectives).",
+    choices=("auto", "measured", "apportioned"),
   )
   alarm_window: int = field(10, "Alarm smoothing window in RL steps (nothing fires before two windows).", ge=2)
   alarm_reward_drop: float = field(

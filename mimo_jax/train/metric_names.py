@@ -108,7 +108,7 @@ METRICS: tuple[tuple[str, str], ...] = (
   ("tokens_total", "prompt + completion tokens trained on so far"),
   (
     "time_*_s",
-    "seconds of the step's parts: `generate`, `reward`, `train` (the learner, scoring included: `score` (behaviour and reference log-probs, critic values; a program timed alone) + `update` (the rest), or with `--time_split=apportioned` one program whose time is split by counted FLOPs), `checkpoint` (how long this step's own save held the loop; the last step's is `final_checkpoint_s` in summary.json), `produce`, `step`, and each side's idle time",
+    "seconds of the step's parts: `generate`, `reward`, `train` (the learner, scoring included: `score` (behaviour and reference log-probs, critic values; a program timed alone) + `update` (the rest); on several emulated CPU devices, or with `--time_split=apportioned`, one program whose time is split by counted FLOPs), `checkpoint` (how long this step's own save held the loop; the last step's is `final_checkpoint_s` in summary.json), `produce`, `step`, and each side's idle time",
   ),
   (
     "mem_*_gib",
