@@ -93,7 +93,7 @@ def measure(flags: Sequence[str], steps: int) -> dict:
   import jax
 
   from mimo_jax.main import parse_config
-  from mimo_jax.train.loop import RLRun
+  from mimo_jax.train.loop import RLRun, apportioned_score_time
 
   with tempfile.TemporaryDirectory() as run_dir:
     cfg = parse_config(
@@ -125,10 +125,6 @@ def measure(flags: Sequence[str], steps: int) -> dict:
   def median(key: str) -> float:
     return statistics.median(r[key] for r in steady)
 
-  def apportioned(r: dict) -> float:  # the learner's time split by counted FLOPs (--time_split=apportioned)
-    scored = r["flops_score"] + r["flops_reference"]
-    return r["time_train_s"] * scored / max(scored + r["flops_learn"], 1.0)
-
   return {
     "first_step_s": walls[0],
     "steady_step_s": statistics.median(walls[2:] or walls),
@@ -139,7 +135,7 @@ def measure(flags: Sequence[str], steps: int) -> dict:
     # what apportioning the learner's time by counted FLOPs would have logged.
     "score_s": median("time_score_s"),
     "update_s": median("time_update_s"),
-    "score_apportioned_s": statistics.median(apportioned(r) for r in steady),
+    "score_apportioned_s": statistics.median(apportioned_score_time(r) for r in steady),
     "completion_tokens_mean": median("response_len"),
     "devices": jax.device_count(),
   }

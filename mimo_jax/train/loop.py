@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -108,6 +109,13 @@ def resolve_time_split(setting: str, platform: str, devices: int) -> str:
   if setting != "auto":
     return setting
   return "apportioned" if platform == "cpu" and devices > 1 else "measured"
+
+
+def apportioned_score_time(record: Mapping[str, Any]) -> float:
+  """The share of a step's learner time (``time_train_s``) that its counted FLOPs give the score passes
+  (behaviour + reference forwards): ``--time_split=apportioned``'s ``time_score_s``."""
+  scored = record["flops_score"] + record["flops_reference"]
+  return record["time_train_s"] * scored / max(scored + record["flops_learn"], 1.0)
 
 
 def resolve_run_dir(cfg: Config) -> str:
@@ -871,12 +879,9 @@ class RLRun:
     if self.time_split == "measured":
       record["time_score_s"] = t_scored - t1
     else:
-      # One program (score -> advantages -> update -> critic -> controllers): its measured time is
-      # apportioned to the score passes (behaviour + reference forwards) and the rest by their counted
-      # FLOPs (against the measured split: BUILD_NOTES, "The learner's time split").
-      scored = record["flops_score"] + record["flops_reference"]
-      share = scored / max(scored + record["flops_learn"], 1.0)
-      record["time_score_s"] = record["time_train_s"] * share
+      # One program (score -> advantages -> update -> critic -> controllers): its measured time split by
+      # counted FLOPs (against the measured split: BUILD_NOTES, "The learner's time split").
+      record["time_score_s"] = apportioned_score_time(record)
     record["time_update_s"] = record["time_train_s"] - record["time_score_s"]
     if kl_per_seq is not None:  # the prompt with the largest KL to the reference, by id
       worst = int(np.argmax(np.asarray(kl_per_seq).reshape(-1, cfg.rollout.num_samples).mean(axis=1)))
