@@ -161,6 +161,32 @@ def test_evaluate_policy_matches_hand_counted_metrics(arith, max_batch_rows):
   assert len({c["key"] for c in sampler.calls}) == len(sampler.calls)
 
 
+def test_evaluate_policy_reports_each_level_of_a_task_with_several(arith):
+  task, tokenizer, problems = arith
+  greedy, samples, _ = _script(problems)
+  # Problems 0, 1 and 3 at level 1, problems 2 and 4 at level 2 (the levels of the held-out split of a
+  # mixed-difficulty task): the same metrics per level, counted by hand from _script's layouts.
+  leveled = [dataclasses.replace(p, level=2 if i in (2, 4) else 1) for i, p in enumerate(problems)]
+  out = _evaluate(ScriptedSampler(tokenizer, greedy, samples), task, tokenizer, leveled)
+  assert out["greedy_accuracy"] == pytest.approx(3 / 5)
+  assert out["level1/num_problems"] == 3 and out["level2/num_problems"] == 2
+  assert out["level1/greedy_accuracy"] == pytest.approx(1 / 3)  # problem 0
+  assert out["level2/greedy_accuracy"] == pytest.approx(2 / 2)  # problems 2 and 4
+  assert out["level1/pass@1"] == pytest.approx((6 + 3 + 2) / 18)
+  assert out["level2/pass@1"] == pytest.approx((0 + 1) / 12)
+  assert out["level1/pass@6"] == 1.0 and out["level2/pass@6"] == pytest.approx(1 / 2)
+  assert out["level1/maj@6"] == 1.0 and out["level2/maj@6"] == 0.0
+
+  # Two tasks: each task's levels under its own name; a task with one level has no level keys.
+  mixed = leveled[:3] + [dataclasses.replace(p, task="codegen") for p in leveled[3:]]
+  out = _evaluate(ScriptedSampler(tokenizer, greedy, samples), task, tokenizer, mixed)
+  assert out["arith/level1/greedy_accuracy"] == pytest.approx(1 / 2) and out["arith/level2/num_problems"] == 1
+  assert out["codegen/level1/num_problems"] == 1 and out["codegen/level2/greedy_accuracy"] == 1.0
+  assert not [k for k in out if k.startswith("level")]
+  out = _evaluate(ScriptedSampler(tokenizer, greedy, samples), task, tokenizer, leveled[:2] + leveled[3:4])
+  assert not [k for k in out if "level" in k]
+
+
 def test_evaluate_policy_reports_each_task_and_maj_only_with_an_extractor(arith):
   task, tokenizer, problems = arith
   greedy, samples, _ = _script(problems)
@@ -332,7 +358,13 @@ def test_cli_reproduces_the_runs_greedy_accuracy(trained_run, tmp_path, capsys, 
   for k in (1, 2, 4):
     assert 0 <= res[f"maj@{k}"] <= 1 and 0 <= res[f"pass@{k}"] <= 1
   assert res["pass@1"] <= res["pass@2"] <= res["pass@4"]
-  assert not [k for k in res if "/" in k]
+  # The held-out split spreads over the run's two levels (grpo_tiny's 1,2): each is reported on its own
+  # (how a mixed-difficulty run moves each level), and the levels' problems make up the whole.
+  assert {k.split("/")[0] for k in res if "/" in k} == {"level1", "level2"}
+  n1, n2 = res["level1/num_problems"], res["level2/num_problems"]
+  assert n1 > 0 and n2 > 0 and n1 + n2 == 16
+  for key in ("greedy_accuracy", "pass@4"):
+    assert res[key] == pytest.approx((n1 * res[f"level1/{key}"] + n2 * res[f"level2/{key}"]) / 16), key
 
 
 def test_cli_refuses_missing_checkpoints_and_bad_flags(trained_run, tmp_path, capsys):

@@ -94,12 +94,14 @@ class ProblemResult:
     correct: whether each sampled completion is correct, in sample order.
     answers: the extracted answer of each sampled completion, or None when the task has no
       answer extractor (then no maj@k is computed for the problem).
+    level: the problem's difficulty level (tasks without levels have one, 0).
   """
 
   task: str
   greedy_correct: bool
   correct: tuple[bool, ...]
   answers: tuple[str | None, ...] | None
+  level: int = 0
 
 
 def _check_ks(ks: Sequence[int], num_samples: int) -> tuple[int, ...]:
@@ -137,7 +139,9 @@ def summarize(results: Sequence[ProblemResult], ks: Sequence[int]) -> dict[str, 
     each k; ``maj@k`` (majority vote over the first k samples' answers) for each k when
     every problem has extracted answers; the same keys prefixed ``<task>/`` per task when
     the problems come from more than one task (a task's ``maj@k`` only when it has an
-    extractor); and ``num_problems``.
+    extractor); the same keys prefixed ``level<l>/`` (``<task>/level<l>/`` with several tasks) per
+    difficulty level when a task's problems come from more than one (how a mixed-difficulty run
+    moves each level); and ``num_problems``.
   """
   lengths = {len(r.correct) for r in results}
   if len(lengths) > 1:
@@ -151,6 +155,15 @@ def summarize(results: Sequence[ProblemResult], ks: Sequence[int]) -> dict[str, 
       group = [r for r in results if r.task == name]
       out.update({f"{name}/{k}": v for k, v in _metrics(group, ks).items()})
       out[f"{name}/num_problems"] = float(len(group))
+  for name in tasks:
+    group = [r for r in results if r.task == name]
+    levels = sorted({r.level for r in group})
+    if len(levels) > 1:
+      prefix = f"{name}/" if len(tasks) > 1 else ""
+      for level in levels:
+        part = [r for r in group if r.level == level]
+        out.update({f"{prefix}level{level}/{k}": v for k, v in _metrics(part, ks).items()})
+        out[f"{prefix}level{level}/num_problems"] = float(len(part))
   out["num_problems"] = float(len(results))
   return out
 
@@ -273,6 +286,7 @@ def evaluate_policy(
           greedy_correct=task.reward(problem, greedy[j]) > 0,
           correct=tuple(task.reward(problem, t) > 0 for t in samples[j]),
           answers=None if extract is None else tuple(extract(problem, t) for t in samples[j]),
+          level=int(getattr(problem, "level", 0) or 0),
         )
       )
   out = summarize(results, ks)
