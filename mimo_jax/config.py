@@ -867,16 +867,6 @@ def validate(cfg: Config, num_devices: int) -> None:
   learner's mesh over the other ``num_devices - K``.
   """
   r = cfg.rollout
-  if cfg.mesh.num_processes > 1:
-    # A reward model scores each host's rows with a program of the global mesh.  (Async rollout runs its
-    # producer in the learner's thread here, so every host issues its collectives in one order.)
-    for name in ("reward_model", "judge_checkpoint"):
-      check(
-        not getattr(cfg.data, name),
-        name,
-        getattr(cfg.data, name),
-        f"is not supported with --num_processes={cfg.mesh.num_processes} yet",
-      )
   if r.rollout_devices:
     check(
       r.rollout_devices < num_devices,

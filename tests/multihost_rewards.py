@@ -5,7 +5,9 @@ Run as ``python tests/multihost_rewards.py OUT.json [main flags]`` in one proces
 whose completions are known texts (a row-dependent pattern of right and wrong answers), rewards two
 such batches with the real worker (``RolloutWorker.reward``: decode, score, mix with the running
 normaliser) and writes (process 0) the rewards, components and metrics; every process also writes
-the rows it decoded itself, with their texts, to ``OUT.json.p<i>``.
+the rows it decoded itself, with their texts, to ``OUT.json.p<i>``, and what a judge
+(``--judge_checkpoint``) wrote for each batch to ``OUT.json.p<i>.judge``. The composite reward is the run's own
+(``build_run_reward``), so ``--reward_model`` and the judge score on the global mesh.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mimo_jax import multihost, sharding
 from mimo_jax.main import parse_config
-from mimo_jax.rewards.task_rewards import build_task_reward
 from mimo_jax.rollout import FINISH_STOP, RolloutOutput
 from mimo_jax.rollout.encoding import encode_prompts, encode_targets
 from mimo_jax.tasks.registry import build_task
+from mimo_jax.train.loop import build_run_reward
 from mimo_jax.train.rollout_worker import RolloutWorker
 
 
@@ -59,19 +61,39 @@ def batch(worker, mesh, rng, step: int):
   return problems, rollout, texts
 
 
+class Recording:
+  """A judge's generate_fn that keeps what the judge wrote (everything else is the wrapped one's)."""
+
+  def __init__(self, inner):
+    self.inner, self.calls = inner, []
+
+  def __call__(self, prompts, num_samples):
+    out = self.inner(prompts, num_samples)
+    self.calls.append(out)
+    return out
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+
 def main(argv):
   out = argv[1]
   cfg = parse_config(["prog", *argv[2:]])
   sharding.initialize_distributed(cfg.mesh)
   mesh = sharding.build_mesh(cfg.mesh)
   task, tokenizer = build_task(cfg.data, seed=cfg.run.seed)
-  rewarder = build_task_reward(task, normalize="task_running")
+  rewarder = build_run_reward(cfg, task, tokenizer, mesh)
+  judge = next((s.fn for s in rewarder.sources if s.name == "judge"), None)
+  if judge is not None:
+    judge.generate_fn = Recording(judge.generate_fn)
   worker = RolloutWorker(cfg, task, tokenizer, None, rewarder, jax.random.key(0))
   rng = np.random.default_rng(0)
-  results, own = [], []
+  results, own, judged = [], [], []
   for step in range(2):
     problems, rollout, texts = batch(worker, mesh, rng, step)
     rewards = worker.reward(problems, rollout)
+    if judge is not None:
+      judged.append(judge.generate_fn.calls.pop())
     results.append(
       {
         "values": rewards.values.tolist(),
@@ -89,6 +111,9 @@ def main(argv):
       json.dump(results, f)
   with open(f"{out}.p{jax.process_index()}", "w") as f:
     json.dump(own, f)
+  if judge is not None:
+    with open(f"{out}.p{jax.process_index()}.judge", "w") as f:
+      json.dump(judged, f)
 
 
 if __name__ == "__main__":

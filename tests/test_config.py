@@ -81,10 +81,6 @@ def test_bad_flags_fail_with_a_named_error(argv, pattern):
     (["--num_samples=1"], "num_samples=1.*at least 2 samples"),
     (["--num_minibatches=3"], "num_minibatches=3.*must divide"),
     (["--max_new_tokens=1000"], "max_new_tokens=1000.*exceeds the model's max_seq_len"),
-    (
-      ["--num_processes=2", "--coordinator_address=h:1", "--reward_model=rm_run"],
-      "reward_model='rm_run': is not supported with --num_processes=2",
-    ),
   ],
 )
 def test_incompatible_combinations_fail_validation(argv, pattern):

@@ -16,6 +16,7 @@ from mimo_jax.tasks.arith import ArithTask
 from mimo_jax.tasks.gsm8k import GSM8KTask
 from mimo_jax.tasks.mixture import MixtureTask, apportion
 from mimo_jax.tasks.registry import build_task
+from mimo_jax.testing.hf_models import save_random_judge
 from mimo_jax.train.metric_names import describe
 from mimo_jax.train_rm import corrupt_answer, gold_completion, task_pairs
 
@@ -256,20 +257,9 @@ def test_bad_reward_flags_are_refused_before_compute(tmp_path, capsys):
   assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
 
-def _judge_dir(path):
-  from mimo_jax.testing.hf_models import save_random_hf_model
-  from mimo_jax.tokenization import train_sentencepiece
-
-  save_random_hf_model(str(path), vocab_size=128, max_position_embeddings=512)
-  corpus = ["Rate the answer to the question from 0 to 10. Score: 7", "Question: 12+34= Answer: 64"] * 20
-  tok = train_sentencepiece(corpus, vocab_size=60, byte_fallback=False)
-  (path / "tokenizer.model").write_bytes(tok.model_proto_bytes())
-  return path
-
-
 @pytest.mark.slow
 def test_a_judge_from_the_command_line_scores_every_completion(tmp_path):
-  judge = _judge_dir(tmp_path / "judge")
+  judge = save_random_judge(str(tmp_path / "judge"))
   flags = [
     "prog",
     f"--flagfile={FLAGFILE}",
@@ -297,7 +287,7 @@ def test_a_judge_from_the_command_line_scores_every_completion(tmp_path):
 def test_a_judges_sampling_stream_resumes_where_it_stopped(tmp_path):
   from mimo_jax.rewards.judge import load_judge
 
-  judge_dir = _judge_dir(tmp_path / "judge")
+  judge_dir = save_random_judge(str(tmp_path / "judge"))
 
   def make():
     return load_judge(

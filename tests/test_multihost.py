@@ -203,12 +203,76 @@ def test_ppo_in_two_processes_interrupted_twice_equals_one_uninterrupted_process
   assert fb == fa and any(k.startswith("value/") for k in fb)
 
 
+REWARD_PATH = [GRPO[0], "--model_preset=tiny", "--prompts_per_step=8", "--num_samples=4", "--max_new_tokens=6"]
+
+
+def _reward_path(out: str, flags, num_processes: int, devices: int) -> list:
+  """Runs tests/multihost_rewards.py in ``num_processes`` processes through the multi-process collectives
+  (one process too); returns process 0's results."""
+  script = os.path.join(ROOT, "tests", "multihost_rewards.py")
+  port = free_port()
+  procs = []
+  for i in range(num_processes):
+    log = open(f"{out}.p{i}.log", "w")  # noqa: SIM115 - closed with the process
+    where = [f"--coordinator_address=localhost:{port}", f"--num_processes={num_processes}", f"--process_id={i}"]
+    procs.append(
+      subprocess.Popen(
+        [sys.executable, script, out, *flags, *where],
+        env=process_env(devices),
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+      )
+    )
+  assert _wait(procs) == [0] * num_processes, open(f"{out}.p0.log").read()[-3000:]
+  return json.load(open(out))
+
+
+@pytest.mark.slow
+def test_a_reward_model_and_a_judge_score_the_whole_batch_on_every_host(tmp_path):
+  """A trained reward model and an LLM judge are programs of the global mesh: with 2 processes every host
+  calls them with the whole batch, and the rewards, metrics, the judge's outputs and its key stream are
+  those of 1 process over the same 8 devices."""
+  from mimo_jax.main import main
+  from mimo_jax.testing.hf_models import save_random_judge
+
+  rm_dir, judge = str(tmp_path / "rm"), save_random_judge(str(tmp_path / "judge"))
+  rm_flags = ["--mode=reward_model", "--rm_steps=30", "--rm_num_pairs=64", "--eval_prompts=8", f"--run_dir={rm_dir}"]
+  assert main(["prog", *REWARD_PATH, *rm_flags]) == 0
+  flags = [
+    *REWARD_PATH,
+    f"--reward_model={rm_dir}",
+    "--reward_model_weight=0.5",
+    f"--judge_checkpoint={judge}",
+    "--judge_samples=2",
+    "--judge_max_new_tokens=6",
+    "--judge_weight=0.5",
+  ]
+  one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
+  a = _reward_path(one, flags, 1, 8)
+  b = _reward_path(two, flags, 2, 4)
+  assert b == a
+  for step in a[:2]:
+    assert step["correct"] == step["expected_correct"] and 0 < sum(step["correct"]) < len(step["correct"])
+    scores = step["components"]["reward_model"]
+    assert len(scores) == 32 and len(set(scores)) > 8  # scored row by row, not a constant
+    assert step["components"]["judge"] == [0.0] * 32  # a random judge never writes a valid score
+    assert step["metrics"]["reward/judge_fail_frac"] == 0.0 and step["metrics"]["reward/reward_model_fail_frac"] == 0.0
+  judge_state = a[2]["reward_state"]["sources"]["judge"]
+  assert judge_state["num_outputs"] == 2 * 32 * 2 and judge_state["generator"]["num_calls"] == 2
+  # What the judge wrote: the same texts on both hosts, equal to the one process's (its samples on the
+  # global mesh, from one key stream), and not all alike.
+  judged = [json.load(open(f"{two}.p{i}.judge")) for i in range(2)]
+  assert judged[0] == judged[1] == json.load(open(f"{one}.p0.judge"))
+  assert len(judged[0]) == 2 and len(judged[0][0]) == 32 and len({t for outs in judged[0][0] for t in outs}) > 8
+
+
 def test_each_host_scores_only_its_own_rows_and_every_host_gets_the_global_rewards(tmp_path):
   """The reward path on its own, with known completions (the tiny runs above rarely earn a reward):
   2 processes give what 1 process gives (raw, normalised and mixed rewards, metrics, the running
   normaliser's statistics), and each process decoded exactly the rows on its devices."""
   script = os.path.join(ROOT, "tests", "multihost_rewards.py")
-  flags = [GRPO[0], "--model_preset=tiny", "--prompts_per_step=8", "--num_samples=4", "--max_new_tokens=6"]
+  flags = [*REWARD_PATH, "--reward_normalize=task_running"]
   one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
   single = subprocess.run([sys.executable, script, one, *flags], env=process_env(8), cwd=ROOT, capture_output=True)
   assert single.returncode == 0, single.stderr.decode()[-3000:]

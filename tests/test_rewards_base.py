@@ -402,6 +402,34 @@ def test_batched_source_bad_results() -> None:
   ]
 
 
+def test_scoring_named_sources_only_leaves_the_others_unscored(pool: RewardPool) -> None:
+  """What a multi-process run does: its own rows with the local sources, the whole batch with the
+  collective ones (a reward model or judge on the global mesh), then both put together and mixed."""
+  with pytest.raises(ValueError, match="a collective source must be batched"):
+    RewardSource("rm", reward_fns.row_value, collective=True)
+  seen: list[int] = []
+
+  def rm(samples):
+    seen.append(len(samples))
+    return [2.0 * s.row["value"] for s in samples]
+
+  reward = CompositeReward(
+    [RewardSource("verify", reward_fns.row_value), RewardSource("rm", rm, batched=True, collective=True)], pool=pool
+  )
+  samples = [_sample(value=1.0), _sample(value=0.0), _sample(value=0.5)]
+  raw, failed, errors = reward.score(samples, ["verify"])
+  assert seen == [] and raw["verify"].tolist() == [1.0, 0.0, 0.5] and np.isnan(raw["rm"]).all()
+  assert not failed["rm"].any() and errors == []
+  raw_rm, failed_rm, _ = reward.score(samples, ["rm"])
+  assert seen == [3] and raw_rm["rm"].tolist() == [2.0, 0.0, 1.0] and np.isnan(raw_rm["verify"]).all()
+  together = reward.mix({**raw, "rm": raw_rm["rm"]}, {**failed, "rm": failed_rm["rm"]}, [s.task for s in samples])
+  whole = reward(samples)
+  np.testing.assert_array_equal(together.rewards, whole.rewards)
+  assert together.metrics() == whole.metrics()
+  with pytest.raises(ValueError, match=r"unknown reward sources \['judge'\]"):
+    reward.score(samples, ["judge"])
+
+
 def test_metrics_of_a_component_that_applies_nowhere() -> None:
   batch = RewardBatch(
     rewards=np.zeros(2, np.float32),

@@ -59,7 +59,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -161,6 +161,10 @@ class RewardSource:
       tasks get no contribution and a NaN component.
     timeout_s: per-sample time limit in seconds; None uses the pool's default.  Only for
       per-sample sources: a batched call runs in-process and cannot be interrupted.
+    collective: a batched source that runs one program over the devices of every process (a reward
+      model or a judge on the global mesh).  With several processes each host scores only its own
+      rows with the other sources, but calls a collective one with the whole batch, the same samples
+      on every host and in the same order, so that every host issues the same collectives.
   """
 
   name: str
@@ -169,6 +173,7 @@ class RewardSource:
   batched: bool = False
   tasks: tuple[str, ...] = ()
   timeout_s: float | None = None
+  collective: bool = False
 
   def __post_init__(self) -> None:
     if not isinstance(self.name, str) or not self.name:
@@ -181,6 +186,9 @@ class RewardSource:
       raise ValueError(f"RewardSource {self.name!r}: weight must be a finite number, got {self.weight!r}")
     object.__setattr__(self, "weight", float(self.weight))
     object.__setattr__(self, "batched", bool(self.batched))
+    object.__setattr__(self, "collective", bool(self.collective))
+    if self.collective and not self.batched:
+      raise ValueError(f"RewardSource {self.name!r}: a collective source must be batched (it scores the whole batch)")
     if isinstance(self.tasks, str):
       raise TypeError(
         f"RewardSource {self.name!r}: tasks must be a sequence of task names, not the string {self.tasks!r}"
@@ -921,11 +929,19 @@ class CompositeReward:
     raw, failed, errors = self.score(samples)
     return self.mix(raw, failed, [s.task for s in samples], errors)
 
-  def score(self, samples: Sequence[RewardSample]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], list[str]]:
+  def score(
+    self, samples: Sequence[RewardSample], sources: Collection[str] | None = None
+  ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], list[str]]:
     """The raw components of ``samples`` without mixing them (no running statistics change).
 
     ``__call__`` is ``mix(*score(samples))``; a multi-process run scores each host's own rows and
     mixes the gathered rows of all hosts, so the normaliser sees the global batch.
+
+    Args:
+      samples: the samples.
+      sources: the names of the sources to call (default all); the others' components are NaN and
+        not failed (a multi-process run scores its own rows with the local sources and the whole
+        batch with the collective ones, then puts the two together).
 
     Returns:
       ``(raw, failed, errors)``: per source name, float64 ``[n]`` raw values (NaN where the source does
@@ -936,8 +952,14 @@ class CompositeReward:
       if not isinstance(sample, RewardSample):
         raise TypeError(f"samples[{i}] must be a RewardSample, got {type(sample).__name__}")
     n = len(samples)
+    chosen = set(self.names if sources is None else sources)
+    unknown = sorted(chosen - set(self.names))
+    if unknown:
+      raise ValueError(f"unknown reward sources {unknown}; the sources are {list(self.names)}")
     tasks = np.array([s.task for s in samples], dtype=object)
-    applies = {src.name: np.array([src.applies_to(t) for t in tasks], dtype=bool) for src in self.sources}
+    applies = {
+      src.name: np.array([src.name in chosen and src.applies_to(t) for t in tasks], dtype=bool) for src in self.sources
+    }
     raw = {src.name: np.full(n, np.nan, np.float64) for src in self.sources}
     failed = {src.name: np.zeros(n, bool) for src in self.sources}
     errors: dict[str, list[tuple[int, str]]] = {src.name: [] for src in self.sources}

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from mimo_jax import multihost
 from mimo_jax.rollout.sampler import bucket_for, left_pad
 from mimo_jax.rollout.sampling import SamplingParams
 
@@ -505,8 +506,7 @@ class SamplerGenerateFn:
         temperature=self.temperature,
         key=jax.random.fold_in(call_key, chunk_index),
       )
-      comp = np.asarray(jax.device_get(out.completion_tokens))
-      lengths = np.asarray(jax.device_get(out.lengths))
+      comp, lengths = multihost.to_host((out.completion_tokens, out.lengths))  # whole on every host
       for i in range(len(chunk)):
         texts = []
         for j in range(num_samples):

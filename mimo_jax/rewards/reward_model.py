@@ -40,7 +40,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from mimo_jax import sharding
+from mimo_jax import multihost, sharding
 from mimo_jax.ckpt import Checkpointer
 from mimo_jax.config import OptimConfig
 from mimo_jax.models.config import ModelConfig
@@ -605,7 +605,7 @@ class RewardModelScorer:
       p_tok, p_mask = left_pad(chunk_p, bucket_for(max(len(p) for p in chunk_p), self.buckets), pad)
       c_tok, c_mask = _right_pad(chunk_c, M, pad)
       scores = self._score(self.params, *(_place(x, self.mesh) for x in (p_tok, p_mask, c_tok, c_mask)))
-      out[start : start + rows] = np.asarray(jax.device_get(scores))[:rows]
+      out[start : start + rows] = multihost.to_host(scores)[:rows]  # whole on every host
     self._metrics = {
       "num_samples": float(n),
       "cut_prompts": float(cut_prompts),

@@ -61,3 +61,19 @@ def save_random_hf_model(
   model.eval()
   model.save_pretrained(path)
   return model
+
+
+def save_random_judge(path: str) -> str:
+  """A tiny random Llama with a SentencePiece tokenizer of judge-like text, saved as a Hugging Face
+  checkpoint directory usable as ``--judge_checkpoint`` (it writes digits and signs, never a valid
+  ``Score:`` line). Returns ``path``."""
+  import os
+
+  from mimo_jax.tokenization import train_sentencepiece
+
+  save_random_hf_model(path, vocab_size=128, max_position_embeddings=512)
+  corpus = ["Rate the answer to the question from 0 to 10. Score: 7", "Question: 12+34= Answer: 64"] * 20
+  tok = train_sentencepiece(corpus, vocab_size=60, byte_fallback=False)
+  with open(os.path.join(path, "tokenizer.model"), "wb") as f:
+    f.write(tok.model_proto_bytes())
+  return path

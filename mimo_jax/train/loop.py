@@ -43,7 +43,7 @@ from mimo_jax.optim import (
   upgrade_opt_state,
 )
 from mimo_jax.provenance import provenance
-from mimo_jax.rewards.base import RewardSource
+from mimo_jax.rewards.base import CompositeReward, RewardSource
 from mimo_jax.rewards.task_rewards import build_task_reward, check_reward_flags, load_json_schema
 from mimo_jax.rollout import FINISH_LENGTH, Sampler
 from mimo_jax.rollout.encoding import encode_prompts, encode_targets
@@ -154,6 +154,66 @@ class RunAborted(RuntimeError):
   """The run cannot go on (e.g. non-finite steps beyond ``--max_rollbacks``); its committed state is intact."""
 
 
+def build_run_reward(cfg: Config, task: Any, tokenizer: Any, mesh: Any) -> CompositeReward:
+  """The run's composite reward: the task's verifier and the components its flags add (format, digits,
+  JSON, the hacking probe), with a trained reward model and an LLM judge scoring on ``mesh``.
+
+  The reward model and the judge are collective sources: each runs one program over the mesh's devices,
+  so with several processes every host scores the whole batch with them (see
+  :meth:`RolloutWorker.reward`). The judge samples from its own key stream, derived from the seed apart
+  from the run's other keys.
+  """
+  d = cfg.data
+  extra_sources = []
+  if d.reward_model:
+    from mimo_jax.rewards.reward_model import RewardModelScorer, load_reward_model
+
+    rm_graphdef, rm_params, rm_cfg = load_reward_model(d.reward_model, mesh)
+    if rm_cfg.vocab_size < tokenizer.vocab_size:
+      raise ConfigError(
+        f"--reward_model={d.reward_model}: its vocabulary ({rm_cfg.vocab_size}) is smaller than this run's "
+        f"tokenizer ({tokenizer.vocab_size}); train it with this run's task and tokenizer flags"
+      )
+    scorer = RewardModelScorer(
+      rm_graphdef,
+      rm_params,
+      tokenizer,
+      mesh=mesh,
+      buckets=cfg.rollout.buckets,
+      max_completion_len=cfg.rollout.max_new_tokens,
+      batch_rows=cfg.data.prompts_per_step * cfg.rollout.num_samples,
+    )
+    extra_sources.append(
+      RewardSource("reward_model", scorer, weight=d.reward_model_weight, batched=True, collective=True)
+    )
+  if d.judge_checkpoint:
+    from mimo_jax.rewards.judge import load_judge
+
+    judge = load_judge(
+      d.judge_checkpoint,
+      mode=d.judge_mode,
+      num_samples=d.judge_samples,
+      max_new_tokens=d.judge_max_new_tokens,
+      temperature=d.judge_temperature,
+      key=jax.random.fold_in(jax.random.key(cfg.run.seed), 0x4A554447),
+      mesh=mesh,
+    )
+    extra_sources.append(RewardSource("judge", judge, weight=d.judge_weight, batched=True, collective=True))
+  json_on = d.json_reward_weight > 0 or bool(d.json_schema)
+  return build_task_reward(
+    task,
+    extra_sources=extra_sources,
+    workers=d.reward_workers,
+    timeout_s=d.reward_timeout_s,
+    normalize=d.reward_normalization,
+    format_weight=d.format_reward_weight,
+    digit_weight=d.digit_reward_weight,
+    hacking_probe=d.reward_hacking_probe,
+    json_weight=d.json_reward_weight if json_on else None,
+    json_schema=load_json_schema(d.json_schema),
+  )
+
+
 class RLRun:
   """Holds the mesh, model, sampler, jitted steps, data streams and checkpoints of one run.
 
@@ -185,8 +245,6 @@ class RLRun:
     pool = train_pool(self.task, cfg.data, cfg.run.seed)
     self.buckets = cfg.rollout.buckets
     loop_key, init_key, self._sft_key, self._rl_key = jax.random.split(jax.random.key(cfg.run.seed), 4)
-    # The judge's own sampling stream (a separate derivation, so the four keys above are unchanged).
-    judge_key = jax.random.fold_in(jax.random.key(cfg.run.seed), 0x4A554447)
     if cfg.model.hf_checkpoint:
       overrides = {"remat": cfg.model.remat} if cfg.model.remat else {}
       model = load_hf(
@@ -208,53 +266,7 @@ class RLRun:
       model = create_sharded(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed)), self.mesh)
     self.model_cfg = model.config
     self.graphdef, self._init_params = nnx.split(model)
-    d = cfg.data
-    extra_sources = []
-    if d.reward_model:
-      from mimo_jax.rewards.reward_model import RewardModelScorer, load_reward_model
-
-      rm_graphdef, rm_params, rm_cfg = load_reward_model(d.reward_model, self.mesh)
-      if rm_cfg.vocab_size < self.tokenizer.vocab_size:
-        raise ConfigError(
-          f"--reward_model={d.reward_model}: its vocabulary ({rm_cfg.vocab_size}) is smaller than this run's "
-          f"tokenizer ({self.tokenizer.vocab_size}); train it with this run's task and tokenizer flags"
-        )
-      scorer = RewardModelScorer(
-        rm_graphdef,
-        rm_params,
-        self.tokenizer,
-        mesh=self.mesh,
-        buckets=self.buckets,
-        max_completion_len=cfg.rollout.max_new_tokens,
-        batch_rows=cfg.data.prompts_per_step * cfg.rollout.num_samples,
-      )
-      extra_sources.append(RewardSource("reward_model", scorer, weight=d.reward_model_weight, batched=True))
-    if d.judge_checkpoint:
-      from mimo_jax.rewards.judge import load_judge
-
-      judge = load_judge(
-        d.judge_checkpoint,
-        mode=d.judge_mode,
-        num_samples=d.judge_samples,
-        max_new_tokens=d.judge_max_new_tokens,
-        temperature=d.judge_temperature,
-        key=judge_key,
-        mesh=self.mesh,
-      )
-      extra_sources.append(RewardSource("judge", judge, weight=d.judge_weight, batched=True))
-    json_on = d.json_reward_weight > 0 or bool(d.json_schema)
-    rewarder = build_task_reward(
-      self.task,
-      extra_sources=extra_sources,
-      workers=d.reward_workers,
-      timeout_s=d.reward_timeout_s,
-      normalize=d.reward_normalization,
-      format_weight=d.format_reward_weight,
-      digit_weight=d.digit_reward_weight,
-      hacking_probe=d.reward_hacking_probe,
-      json_weight=d.json_reward_weight if json_on else None,
-      json_schema=load_json_schema(d.json_schema),
-    )
+    rewarder = build_run_reward(cfg, self.task, self.tokenizer, self.mesh)
     self.heldout = self.task.heldout()[: cfg.data.eval_prompts]
     factory = rollout_factory or (lambda model, mesh: Sampler(model, mesh=mesh))
     self._generation_shardings = None

@@ -353,7 +353,11 @@ class RolloutWorker:
   def _reward_own_rows(self, problems, rollout: RolloutOutput, truncated: np.ndarray):
     """A multi-process run's rewards: this host decodes and scores only the rows on its devices; the raw
     components of all hosts' rows are gathered and mixed on every host (the same global batch, so the
-    normaliser's statistics and every metric are the global ones).  Texts of other hosts' rows are None."""
+    normaliser's statistics and every metric are the global ones).  Texts of other hosts' rows are None.
+
+    Collective sources (a reward model, a judge: one program over every host's devices) are the
+    exception: every host decodes the whole batch and calls them with it after the gather, so all hosts
+    run those programs on the same inputs, in the same order, and get the same values."""
     G = self.cfg.rollout.num_samples
     B = int(truncated.shape[0])
     rows = multihost.local_rows(rollout.completion_tokens)
@@ -365,10 +369,19 @@ class RolloutWorker:
         flush=True,
       )
     own = decode_completions(self.tokenizer, rollout, rows)
-    raw, failed, errors = self.rewarder.score(reward_samples(problems, own, G, truncated, rows.tolist()))
-    names = list(self.rewarder.names)
+    collective = [s.name for s in self.rewarder.sources if s.collective]
+    names = [n for n in self.rewarder.names if n not in collective]
+    raw, failed, errors = self.rewarder.score(reward_samples(problems, own, G, truncated, rows.tolist()), names)
     full = multihost.gather_rows(B, rows, [raw[n] for n in names] + [failed[n] for n in names])
     raw, failed = dict(zip(names, full[: len(names)], strict=True)), dict(zip(names, full[len(names) :], strict=True))
+    if collective:
+      every = decode_completions(self.tokenizer, rollout)
+      more_raw, more_failed, more_errors = self.rewarder.score(
+        reward_samples(problems, every, G, truncated), collective
+      )
+      raw.update({n: more_raw[n] for n in collective})
+      failed.update({n: more_failed[n] for n in collective})
+      errors = [*errors, *more_errors]
     batch = self.rewarder.mix(raw, failed, [problems[i // G].task for i in range(B)], errors)
     texts: list[str | None] = [None] * B
     for j, r in enumerate(rows.tolist()):
