@@ -38,7 +38,7 @@ METRICS: tuple[tuple[str, str], ...] = (
   ),
   (
     "eval/*",
-    "held-out evaluation: `greedy_accuracy`, `pass@k`, `maj@k`, `num_problems`, `prompt_truncated`; a mixture's also per task (`eval/<task>/...`)",
+    "held-out evaluation: `greedy_accuracy`, `pass@k`, `maj@k`, `num_problems`, `prompt_truncated`; a mixture's also per task (`eval/<task>/...`); a task with several difficulty levels also per level (`eval/level<l>/...`, `eval/<task>/level<l>/...` in a mixture)",
   ),
   ("response_len", "completion length in tokens, batch mean"),
   ("truncated_frac", "fraction of completions that hit `--max_new_tokens`"),
