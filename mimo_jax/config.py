@@ -665,6 +665,13 @@ class LoggingConfig:
   alarm_entropy_floor: float = field(
     0.1, "entropy_collapse: the smoothed entropy fell below this fraction of the first window's.", gt=0, lt=1
   )
+  alarm_entropy_solved: float = field(
+    0.95,
+    "entropy_collapse: not raised while the smoothed batch accuracy (where a verifier reports one) is at least "
+    "this (a policy that answers nearly everything right has converged, not collapsed).",
+    gt=0,
+    le=1,
+  )
   alarm_kl_max: float = field(1.0, "kl_blowup: the smoothed KL to the reference (kl_k3) exceeds this.", gt=0)
   alarm_value_spike: float = field(
     10.0, "value_loss_spike: the value loss exceeds this times the median of the window before.", gt=1
@@ -824,6 +831,7 @@ ADDED_SETTINGS = {
     "alarm_reward_drop",
     "alarm_reward_min_rise",
     "alarm_entropy_floor",
+    "alarm_entropy_solved",
     "alarm_kl_max",
     "alarm_value_spike",
     "alarm_length_growth",

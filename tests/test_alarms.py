@@ -444,6 +444,36 @@ def test_a_real_reward_collapse_in_a_recorded_run_is_caught_once_with_its_peak_a
   assert at_alarm > 1.5 * at_peak and at_alarm > 10 * curve["kl_coef"][0]
 
 
+def test_a_solved_tasks_low_entropy_is_convergence_but_a_stuck_policys_is_a_collapse():
+  """A real run that solves its task (levels 1-3 of arithmetic, 25% -> 100% held-out, batch accuracy
+  0.98-0.99 from step 290 on) ends with 10x less entropy than it started with. Replayed through the
+  shipped thresholds it raises nothing; before the accuracy exemption the same curve raised
+  entropy_collapse at steps 324 and 351 (the run's own alarms.jsonl), which a threshold of 1 still
+  gives; and the same entropy with the policy stuck at half its answers right is a collapse."""
+  curve = json.load(open(os.path.join(ROOT, "tests", "data", "grpo_tiny_levels123_seed1_curve.json")))
+  keys = [k for k in curve if k not in ("source", "step")]
+
+  def replay(settings, **override):
+    alarms = Alarms(settings)
+    out = []
+    for i, step in enumerate(curve["step"]):
+      out += alarms.update(step, {**{k: curve[k][i] for k in keys}, **override})
+    return out
+
+  assert replay(AlarmSettings()) == []
+  old = replay(AlarmSettings(entropy_solved=1.0))
+  assert [(a.kind, a.step, a.onset) for a in old] == [("entropy_collapse", 324, 315), ("entropy_collapse", 351, 342)]
+  assert 0.95 < old[0].evidence["accuracy_smoothed"] < 1.0
+  stuck = replay(AlarmSettings(), accuracy=0.5)
+  assert [(a.kind, a.step) for a in stuck] == [("entropy_collapse", 324), ("entropy_collapse", 351)]
+  # Synthetic: the same fall of the entropy at accuracy 0.99 (converged) and 0.6 (collapsed), and a run
+  # that reports no accuracy (no verifier: no exemption).
+  fall = [{}] * 10 + _ramp(10, "entropy", 2.0, 0.01) + [{"entropy": 0.01}] * 10
+  assert _feed([{**r, "accuracy": 0.99} for r in fall]) == []
+  assert [a.kind for a in _feed([{**r, "accuracy": 0.6} for r in fall])] == ["entropy_collapse"]
+  assert [a.kind for a in _feed(fall)] == ["entropy_collapse"]
+
+
 def test_the_embedded_defaults_recorded_learning_curve_raises_nothing():
   """The logged curve of `make run` (seed 0, 400 RL steps, 32.0% -> 89.5% held-out) replayed through the
   shipped thresholds: a healthy run of the embedded default raises no alarm."""

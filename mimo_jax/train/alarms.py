@@ -10,7 +10,10 @@ kind               fires when                                                   
 reward_collapse    the smoothed reward has lost ``drop`` of its rise above the first        ``--alarm_reward_drop``
                    window (the rise at least ``--alarm_reward_min_rise``; the rise and the
                    fall each above 5 standard errors of the batch noise)
-entropy_collapse   the smoothed entropy is below ``floor`` x the first window's              ``--alarm_entropy_floor``
+entropy_collapse   the smoothed entropy is below ``floor`` x the first window's, while the  ``--alarm_entropy_floor``
+                   smoothed batch accuracy (where a verifier reports one) is below         ``--alarm_entropy_solved``
+                   ``solved`` (a policy that answers nearly every prompt right is
+                   converged, not collapsed)
 kl_blowup          the smoothed KL to the reference exceeds the limit                       ``--alarm_kl_max``
 value_loss_spike   the value loss exceeds ``spike`` x the median of the window before it    ``--alarm_value_spike``
 length_explosion   the smoothed response length exceeds ``growth`` x the first window's     ``--alarm_length_growth``
@@ -104,6 +107,7 @@ class AlarmSettings:
   reward_drop: float = 0.5
   reward_min_rise: float = 0.05
   entropy_floor: float = 0.1
+  entropy_solved: float = 0.95
   kl_max: float = 1.0
   value_spike: float = 10.0
   length_growth: float = 3.0
@@ -240,7 +244,7 @@ class Alarms:
 
   def update(self, step: int, record: Mapping[str, Any]) -> list[Alarm]:
     """Feeds one RL step's record; returns the alarms that start firing at it."""
-    for key in ("reward_mean", "entropy", "kl_k3", "value_loss", "response_len"):
+    for key in ("reward_mean", "entropy", "kl_k3", "value_loss", "response_len", "accuracy"):
       v = _finite(record.get(key))
       if v is not None:
         self._add(key, v)
@@ -303,7 +307,15 @@ class Alarms:
     now, first = self._smooth("entropy"), self._first("entropy")
     if now is None or first is None or first <= 0 or now >= self.s.entropy_floor * first:
       return None
-    return self._onset("entropy_collapse", step), {"entropy_smoothed": now, "first": first}
+    # Low entropy is the goal once the policy answers (nearly) everything right: convergence on a task it
+    # has solved, not the premature collapse that stops exploration while there is still reward to earn.
+    accuracy = self._smooth("accuracy")
+    if accuracy is not None and accuracy >= self.s.entropy_solved:
+      return None
+    evidence = {"entropy_smoothed": now, "first": first}
+    if accuracy is not None:
+      evidence["accuracy_smoothed"] = accuracy
+    return self._onset("entropy_collapse", step), evidence
 
   def _kl_blowup(self, step):
     now = self._smooth("kl_k3")
