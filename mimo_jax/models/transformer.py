@@ -6,7 +6,10 @@ V vocabulary, L layers.
 
 The layers are stacked (every layer parameter has a leading ``layers`` axis) and run
 with ``jax.lax.scan``, so compile time does not grow with depth; the scanned body is
-optionally rematerialised.  Norms, softmax and logits are float32 whatever the
+optionally rematerialised.  Decoding is the exception: with a per-layer cache
+(:meth:`KVCache.per_layer`) the stack runs as an unrolled loop over per-layer weights
+(:meth:`Decoder.layer_states`), so a decode step neither slices the stacked weights nor
+copies a layer's cache out of the stack and back.  Norms, softmax and logits are float32 whatever the
 parameter and compute dtypes are.
 """
 
@@ -163,16 +166,34 @@ class Attention(nnx.Module):
     K = self.num_kv_heads
     # [B, T, K, G, H]: queries grouped by the KV head they share.
     q = q.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-    scores = scores / np.sqrt(H).astype(np.float32)
-    scores = jnp.where(mask_bts[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, T, N, H)
+    if T == 1 and kv_cache is not None:
+      out = _single_query_attention(q[:, 0], k, v, mask_bts[:, 0]).astype(dt).reshape(B, T, N, H)
+    else:
+      scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+      scores = scores / np.sqrt(H).astype(np.float32)
+      scores = jnp.where(mask_bts[:, None, None, :, :], scores, _MASK_VALUE)
+      probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+      out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, T, N, H)
     out = constrain(out, ("batch", "seq", "heads", "head_dim"))
     y = jnp.einsum("BTNH,NHD->BTD", out, self.w_o_nhd[...].astype(dt))
     if self.b_o_d is not None:
       y = y + self.b_o_d[...].astype(dt)
     return y, new_cache
+
+
+def _single_query_attention(q_bkgh, k_bskh, v_bskh, mask_bs):
+  """Attention of one query per row (a decode step) as two multiply-reduce fusions.
+
+  Reads the cache in its ``[B, S, K, H]`` layout: as batched dots, the two contractions
+  are tiny matrix products per (row, KV head) that need the cache transposed first,
+  which on CPU cost more than the arithmetic.  float32 throughout; returns ``[B, K, G, H]``.
+  """
+  q = q_bkgh.astype(jnp.float32)
+  scores = jnp.sum(q[:, None] * k_bskh.astype(jnp.float32)[:, :, :, None, :], axis=-1)  # [B, S, K, G]
+  scores = scores / np.sqrt(q.shape[-1]).astype(np.float32)
+  scores = jnp.where(mask_bs[:, :, None, None], scores, _MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=1)
+  return jnp.sum(probs[..., None] * v_bskh.astype(jnp.float32)[:, :, :, None, :], axis=1)
 
 
 class MLP(nnx.Module):
@@ -230,8 +251,9 @@ class KVCache:
   """Preallocated key/value cache for all layers.
 
   Attributes:
-    k: ``[L, B, S, K, H]`` keys (compute dtype).
-    v: ``[L, B, S, K, H]`` values.
+    k: ``[L, B, S, K, H]`` keys (compute dtype), or a tuple of ``L`` per-layer
+      ``[B, S, K, H]`` arrays (see :meth:`per_layer`).
+    v: values, laid out like ``k``.
     valid: ``[B, S]`` bool, which slots hold real (non-padding) tokens.
     index: int32 scalar, the next slot to write (shared by all rows: prompts are
       left-padded to a common length, so every row writes the same slot).
@@ -255,7 +277,21 @@ class KVCache:
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[2]
+    return self.valid.shape[1]
+
+  @property
+  def is_per_layer(self) -> bool:
+    return isinstance(self.k, tuple)
+
+  def per_layer(self) -> KVCache:
+    """The same cache as one ``[B, S, K, H]`` array per layer (the decode loop's form:
+    each layer's slot write is then in place in its own buffer)."""
+    if self.is_per_layer:
+      return self
+    L = self.k.shape[0]
+    return KVCache(
+      k=tuple(self.k[i] for i in range(L)), v=tuple(self.v[i] for i in range(L)), valid=self.valid, index=self.index
+    )
 
 
 KV_CACHE_LOGICAL_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
@@ -300,12 +336,23 @@ class Decoder(nnx.Module):
     self.layers = make_layers(rngs)
     self.final_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, param_dtype=param_dtype)
 
+  def layer_states(self) -> tuple[nnx.State, ...]:
+    """Each layer's parameters as its own arrays (static slices of the stacked ones).
+
+    Inside a jitted program this is one copy of the layer weights; a decode loop that
+    takes them from outside its body reads them in place at every step instead of slicing
+    the stack each time.
+    """
+    _, stacked = nnx.split(self.layers)
+    return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(self.config.num_layers))
+
   def __call__(
     self,
     tokens_bt: jax.Array,
     positions_bt: jax.Array,
     mask_bt: jax.Array,
     cache: KVCache | None = None,
+    layers: tuple[nnx.State, ...] | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     """Runs the stack.
 
@@ -313,7 +360,10 @@ class Decoder(nnx.Module):
       tokens_bt: int32 ``[B, T]``.
       positions_bt: int32 ``[B, T]`` RoPE positions.
       mask_bt: bool ``[B, T]``, True for real tokens.
-      cache: optional KV cache; this call's tokens are written at ``cache.index``.
+      cache: optional KV cache; this call's tokens are written at ``cache.index``.  A
+        per-layer cache runs the layers as an unrolled loop.
+      layers: with a per-layer cache, the weights from :meth:`layer_states` (default:
+        sliced here).
 
     Returns:
       Final-normed hidden states ``[B, T, D]`` (compute dtype) and the updated cache.
@@ -355,6 +405,13 @@ class Decoder(nnx.Module):
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
       x, _ = jax.lax.scan(body, x, layer_state)
       new_cache = None
+    elif cache.is_per_layer:
+      states = layers if layers is not None else self.layer_states()
+      ks, vs = list(cache.k), list(cache.v)
+      for i, state_l in enumerate(states):
+        layer = nnx.merge(graphdef, state_l)
+        x, (ks[i], vs[i]) = layer(x, positions_bt, mask, inv_freq, (ks[i], vs[i]), cache_index)
+      new_cache = KVCache(k=tuple(ks), v=tuple(vs), valid=valid, index=cache_index + T)
     else:
 
       def body(carry, xs):
@@ -406,13 +463,13 @@ class Transformer(nnx.Module):
     )
     return constrain(logits, ("batch", "seq", "vocab"))
 
-  def hidden(self, tokens_bt, *, attention_mask=None, positions=None, cache=None):
+  def hidden(self, tokens_bt, *, attention_mask=None, positions=None, cache=None, layers=None):
     """Final hidden states ``[B, T, D]`` and the updated cache (see :meth:`Decoder.__call__`)."""
     if attention_mask is None:
       attention_mask = jnp.ones(tokens_bt.shape, bool)
     if positions is None:
       positions = positions_from_mask(attention_mask)
-    return self.decoder(tokens_bt, positions, attention_mask, cache)
+    return self.decoder(tokens_bt, positions, attention_mask, cache, layers)
 
   def __call__(
     self,
@@ -421,6 +478,7 @@ class Transformer(nnx.Module):
     attention_mask: jax.Array | None = None,
     positions: jax.Array | None = None,
     cache: KVCache | None = None,
+    layers: tuple[nnx.State, ...] | None = None,
   ) -> Any:
     """Logits for a batch.
 
@@ -430,11 +488,14 @@ class Transformer(nnx.Module):
         all ones by default.
       positions: int32 ``[B, T]``; by default counted over the real tokens.
       cache: optional KV cache; when given, returns ``(logits, new_cache)``.
+      layers: per-layer weights for a per-layer cache (:meth:`Decoder.layer_states`).
 
     Returns:
       float32 logits ``[B, T, V]`` (and the updated cache when one is passed).
     """
-    hidden, new_cache = self.hidden(tokens_bt, attention_mask=attention_mask, positions=positions, cache=cache)
+    hidden, new_cache = self.hidden(
+      tokens_bt, attention_mask=attention_mask, positions=positions, cache=cache, layers=layers
+    )
     logits = self.logits_from_hidden(hidden)
     return logits if cache is None else (logits, new_cache)
 

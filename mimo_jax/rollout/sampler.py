@@ -7,7 +7,10 @@ One ``generate`` call is one jitted function of ``(params, prompts, temperatures
 2. **Fan out** the cache and the last-position logits to ``G`` samples per prompt
    (``B = Np * G`` rows; the samples of a prompt are contiguous).
 3. **Decode** in a ``lax.while_loop`` over a fixed ``[B, M]`` token buffer with a
-   ``done`` mask; the loop exits early once every row has stopped.
+   ``done`` mask; the loop exits early once every row has stopped.  By default the
+   loop carries one cache buffer per layer and reads per-layer weights sliced once
+   before it (``unrolled_decode``): a step then writes its cache slots in place and
+   copies no weights.
 
 Shapes are static per (prompt bucket ``P``, ``Np``, ``G``, ``M``): after warm-up, a new
 batch in a seen bucket compiles nothing.  Parameters are the live training state
@@ -110,17 +113,23 @@ class Sampler:
     mesh: Mesh | None = None,
     rules: sharding.Rules = sharding.GENERATE_RULES,
     cache_dtype: str | None = None,
+    unrolled_decode: bool = True,
   ):
     """Args:
-    model: the policy; its parameters are read, never copied.
+    model: the policy; its parameters are read, never copied outside a generate call.
     mesh: the mesh the parameters live on (None: one device, no constraints).
     rules: logical-axis rules for activations and the KV cache.
     cache_dtype: KV cache dtype (default: the model's compute dtype).
+    unrolled_decode: decode with per-layer caches and per-layer weights, the layers
+      unrolled (one transient copy of the layer weights per generate call, laid out
+      like the parameters); False: the scanned stack, which slices each layer's weights
+      and cache out of the stacks at every step and needs no copy.
     """
     self.config = model.config
     self.mesh = mesh
     self.rules = rules
     self.cache_dtype = cache_dtype
+    self.unrolled_decode = unrolled_decode
     self._graphdef, self._state = nnx.split(model)
     self._generate = jax.jit(self._generate_impl, static_argnames=("num_samples", "max_len", "sampling"))
     self._logps = jax.jit(self._logps_impl)
@@ -172,8 +181,15 @@ class Sampler:
       # ---- prefill (once per prompt)
       positions = positions_from_mask(prompt_mask)
       cache = KVCache.init(self.config, Np, P + M, self.cache_dtype)
+      layers = None
+      if self.unrolled_decode:
+        # One copy of the layer weights for the whole call; prefill and decode read it in place.
+        layers = model.decoder.layer_states()
+        cache = cache.per_layer()
       cache = _constrain_cache(cache)
-      hidden, cache = model.hidden(prompt_tokens, attention_mask=prompt_mask, positions=positions, cache=cache)
+      hidden, cache = model.hidden(
+        prompt_tokens, attention_mask=prompt_mask, positions=positions, cache=cache, layers=layers
+      )
       # Left padding: the last slot is the last real token. Unembed only that position
       # (the full [Np, P, V] logits would cost P times the head's FLOPs for nothing).
       last_logits = model.logits_from_hidden(hidden[:, -1:])[:, 0]
@@ -182,9 +198,10 @@ class Sampler:
       def fan(x):
         return jnp.repeat(x, G, axis=0)
 
+      batch_axis = 0 if cache.is_per_layer else 1
       cache = KVCache(
-        k=jnp.repeat(cache.k, G, axis=1),
-        v=jnp.repeat(cache.v, G, axis=1),
+        k=jax.tree.map(lambda k: jnp.repeat(k, G, axis=batch_axis), cache.k),
+        v=jax.tree.map(lambda v: jnp.repeat(v, G, axis=batch_axis), cache.v),
         valid=fan(cache.valid),
         index=cache.index,
       )
@@ -219,7 +236,11 @@ class Sampler:
         stopped = stopped | hit_stop
         done = done | hit_stop
         logits, cache = model(
-          tok[:, None], attention_mask=active[:, None], positions=next_pos[:, None], cache=_constrain_cache(cache)
+          tok[:, None],
+          attention_mask=active[:, None],
+          positions=next_pos[:, None],
+          cache=_constrain_cache(cache),
+          layers=layers,
         )
         cur_logits = sharding.constrain(logits[:, 0], ("batch", "vocab"))
         return (t + 1, cache, cur_logits, next_pos + 1, done, tokens, logps, slogps, stopped)
@@ -335,6 +356,14 @@ def _lengths(tokens, stop_ids, stopped, t_end):
 
 
 def _constrain_cache(cache: KVCache) -> KVCache:
+  if cache.is_per_layer:
+    axes = KV_CACHE_LOGICAL_AXES[1:]
+    return KVCache(
+      k=tuple(sharding.constrain(k, axes) for k in cache.k),
+      v=tuple(sharding.constrain(v, axes) for v in cache.v),
+      valid=sharding.constrain(cache.valid, ("batch", "cache_seq")),
+      index=cache.index,
+    )
   return KVCache(
     k=sharding.constrain(cache.k, KV_CACHE_LOGICAL_AXES),
     v=sharding.constrain(cache.v, KV_CACHE_LOGICAL_AXES),
