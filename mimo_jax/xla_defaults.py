@@ -1,0 +1,37 @@
+"""XLA:CPU settings the trainer ships with, applied when ``mimo_jax`` is imported.
+
+XLA reads ``XLA_FLAGS`` once, when the first backend starts, so these take effect when
+``mimo_jax`` is imported before JAX's first computation (every entry point and the tests
+do).  A flag the user already set in ``XLA_FLAGS`` is never overridden.
+
+* ``--xla_cpu_experimental_ynn_fusion_type=-individual_dot``: matrix products outside a
+  fusion run on XLA's Eigen kernels instead of YNNPACK's.  At this project's CPU shapes
+  (batch-16 decode steps, the learner's [tokens x d_model] products) Eigen's were faster;
+  the measurements are in BUILD_NOTES ("XLA:CPU matmul kernels").  It changes CPU results
+  in the last bits (another summation order), never on GPU or TPU, where the flag does
+  nothing.  ``MIMO_JAX_CPU_DOTS=ynn`` keeps XLA's default.
+"""
+
+from __future__ import annotations
+
+import os
+
+CPU_DOTS_ENV = "MIMO_JAX_CPU_DOTS"
+_YNN_FUSION_FLAG = "xla_cpu_experimental_ynn_fusion_type"
+CPU_DEFAULT_FLAGS = (f"--{_YNN_FUSION_FLAG}=-individual_dot",)
+
+
+def apply(environ: dict | None = None) -> list[str]:
+  """Appends the default CPU flags to ``XLA_FLAGS`` (those the user has not set); returns
+  the flags added."""
+  env = os.environ if environ is None else environ
+  choice = env.get(CPU_DOTS_ENV, "eigen")
+  if choice not in ("eigen", "ynn"):
+    raise ValueError(f"{CPU_DOTS_ENV}={choice!r} is not allowed; allowed values: eigen, ynn")
+  if choice == "ynn":
+    return []
+  current = env.get("XLA_FLAGS", "")
+  added = [f for f in CPU_DEFAULT_FLAGS if f.split("=", 1)[0] not in current]
+  if added:
+    env["XLA_FLAGS"] = " ".join([current, *added]).strip()
+  return added

@@ -1,0 +1,54 @@
+"""The XLA:CPU settings mimo_jax ships with (mimo_jax/xla_defaults.py)."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import mimo_jax  # noqa: F401  (applies the defaults)
+from mimo_jax import xla_defaults
+
+FLAG = "--xla_cpu_experimental_ynn_fusion_type=-individual_dot"
+
+
+def test_the_default_is_in_effect_in_this_process():
+  """Importing mimo_jax set the flag before the backend started: a compiled CPU matmul is
+  not handed to YNNPACK (with XLA's default it is a __ynn_fusion)."""
+  assert FLAG in os.environ["XLA_FLAGS"]
+  compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((16, 64)), jnp.ones((64, 32))).compile()
+  assert "__ynn_fusion" not in compiled.as_text()
+
+
+def test_xla_default_kernels_when_asked_for_in_a_fresh_process():
+  """MIMO_JAX_CPU_DOTS=ynn keeps XLA's default, and there the same matmul is a YNNPACK fusion,
+  so the check above can tell the two apart."""
+  code = (
+    "import mimo_jax, os, jax, jax.numpy as jnp; "
+    "c = jax.jit(lambda a, b: a @ b).lower(jnp.ones((16, 64)), jnp.ones((64, 32))).compile(); "
+    "print('ynn' in os.environ.get('XLA_FLAGS', ''), '__ynn_fusion' in c.as_text())"
+  )
+  env = {**os.environ, "MIMO_JAX_CPU_DOTS": "ynn", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
+  assert out.stdout.split() == ["False", "True"]
+
+
+def test_apply_adds_only_what_the_user_has_not_set():
+  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  assert xla_defaults.apply(env) == [FLAG]
+  assert env["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=8 {FLAG}"
+  assert xla_defaults.apply(env) == []  # idempotent
+  assert env["XLA_FLAGS"].count("ynn_fusion_type") == 1
+  own = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=-reduce"}
+  assert xla_defaults.apply(own) == [] and own["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type=-reduce"
+  empty: dict = {}
+  assert xla_defaults.apply(empty) == [FLAG] and empty["XLA_FLAGS"] == FLAG
+  opted_out = {"MIMO_JAX_CPU_DOTS": "ynn"}
+  assert xla_defaults.apply(opted_out) == [] and "XLA_FLAGS" not in opted_out
+
+
+def test_a_bad_choice_is_refused_naming_the_variable_and_the_allowed_values():
+  with pytest.raises(ValueError, match=r"MIMO_JAX_CPU_DOTS='mkl'.*allowed values: eigen, ynn"):
+    xla_defaults.apply({"MIMO_JAX_CPU_DOTS": "mkl"})
