@@ -353,6 +353,27 @@ def test_grpo_step_benchmark_times_the_trainers_step_and_its_programs():
   assert cfg.rollout.buckets == (int(peer["max_prompt_len"]),)
 
 
+def test_generate_benchmark_alternates_with_transformers_on_identical_weights(tmp_path):
+  """bench.generate at the GRPO benchmark's shape flags: both sides timed each round, greedy
+  tokens equal to transformers' on the same weights, the ratios and the JSON record written."""
+  from mimo_jax.bench import generate as bench_generate
+
+  out = tmp_path / "gen.json"
+  argv = ["--preset=tunix", "--num_layers=2", "--d_model=64", "--mlp_dim=128", "--head_dim=16"]
+  argv += ["--batch=1,3", "--prompt_len=8", "--new_tokens=5", "--repeats=2", f"--json_out={out}"]
+  records = bench_generate.main(argv)
+  assert [r["batch"] for r in records] == [1, 3] and json.loads(out.read_text()) == records
+  for r in records:
+    assert r["model"] == "tunix" and r["greedy_token_agreement_with_hf"] == 1.0
+    for side in ("mimo-jax", "transformers"):
+      assert len(r[side]) and r[side]["total_s"]["min"] <= r[side]["total_s"]["median"] <= r[side]["total_s"]["max"]
+    assert r["ratio_total_hf_over_ours"] == r["transformers"]["total_s"]["median"] / r["mimo-jax"]["total_s"]["median"]
+  cfg = bench_generate.model_config(bench_generate.parse_args(argv))
+  assert (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (2, 64, 8, 4, 512)
+  with pytest.raises(SystemExit):
+    bench_generate.parse_args(["--batch=4,x"])
+
+
 @pytest.mark.slow
 def test_dry_run_13b_on_8_devices():
   from mimo_jax.train.dry_run import dry_run

@@ -1,12 +1,22 @@
 """Generation throughput: mimo-jax KV-cache sampler vs transformers vs a no-cache baseline.
 
-    python -m mimo_jax.bench.generate [--preset small] [--batch 1,16,32] [--prompt_len 64] [--new_tokens 64]
+    python -m mimo_jax.bench.generate [--preset small|tunix] [--batch 1,16,64] [--prompt_len 64]
+                                      [--new_tokens 64] [--repeats 3] [--json_out FILE]
+                                      [--num_layers N --d_model D ...]
 
 All three run greedy decoding on identical weights (our random init, exported with
-``save_hf`` and loaded by ``transformers``) and identical prompt batches, in one process.
-Prefill throughput is timed from a call limited to one new token; decode throughput
-from the difference to the full call.  Each measurement is the median of ``--repeats``
-runs after a warm-up.  Output: a table and one JSON line per configuration.
+``save_hf`` and loaded by ``transformers``, float32, torch threads = usable cores) and
+identical prompt batches, in one process, with EOS off.  ``--preset tunix`` is the shape
+of the GRPO benchmark against Tunix (4 layers, d_model 256, MLP 1024, 8 query / 4 KV heads
+of 32, vocabulary 512); the shape flags override any preset's fields.
+
+After one warm-up of each, every round times mimo-jax and then transformers (alternating,
+so a machine that drifts drifts for both): a call limited to one new token (prefill, the
+first token included) and the full call.  Decode throughput is the difference.  Reported
+per side: the medians over ``--repeats`` rounds and their (min, max); the ratio is
+transformers' median total time over ours (> 1: we are faster).  Greedy tokens are
+compared position by position.  Output: a table and one JSON line per batch size (also
+written to ``--json_out``).
 """
 
 from __future__ import annotations
@@ -26,17 +36,19 @@ from flax import nnx
 from mimo_jax.models import Transformer, get_preset, save_hf
 from mimo_jax.rollout import Sampler, SamplingParams, left_pad
 
-
-def _median_time(fn, repeats: int) -> float:
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+# The shape of ``python -m mimo_jax.bench.grpo_step --shape tunix`` (Tunix's own benchmark model).
+TUNIX_SHAPE = dict(num_layers=4, d_model=256, mlp_dim=1024, num_heads=8, num_kv_heads=4, head_dim=32, vocab_size=512)
+SHAPE_FLAGS = ("num_layers", "d_model", "mlp_dim", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
 
 
-def bench_ours(model, prompts, new_tokens, repeats):
+def _timed(fn, *args) -> float:
+  t0 = time.perf_counter()
+  fn(*args)
+  return time.perf_counter() - t0
+
+
+def ours(model, prompts, new_tokens):
+  """(run(n) -> None, tokens): greedy generation of n tokens with the trainer's sampler."""
   sampler = Sampler(model)
   tokens, mask = left_pad(prompts, len(prompts[0]), 0)
   kw = dict(num_samples=1, max_len=new_tokens, sampling=SamplingParams(), temperature=0.0, key=jax.random.key(0))
@@ -44,15 +56,32 @@ def bench_ours(model, prompts, new_tokens, repeats):
   def run(limit):
     return jax.block_until_ready(sampler.generate(tokens, mask, max_new_tokens=limit, **kw))
 
-  run(new_tokens)  # compile
-  t1 = _median_time(lambda: run(1), repeats)
-  tn = _median_time(lambda: run(new_tokens), repeats)
+  out = run(new_tokens)  # compiles the one program both limits use
+  return (lambda n: run(n)), np.asarray(out.completion_tokens)
+
+
+def transformers_side(path, prompts, new_tokens):
+  import torch
+  import transformers
+
+  model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+  model.eval()
+  ids = torch.tensor(prompts)
+  attn = torch.ones_like(ids)
+
+  def run(n):
+    with torch.no_grad():
+      return model.generate(
+        ids, attention_mask=attn, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+      )
+
   out = run(new_tokens)
-  return t1, tn, np.asarray(out.completion_tokens)
+  return run, out[:, len(prompts[0]) :].numpy()
 
 
-def bench_no_cache(model, prompts, new_tokens, repeats):
-  """Recomputes the full forward over a fixed [B, P + N] buffer at every step."""
+def no_cache_seconds(model, prompts, new_tokens) -> tuple[float, np.ndarray]:
+  """Recomputes the full forward over a fixed [B, P + N] buffer at every step (one timed run:
+  the baseline is O(N) times slower and only sets the scale)."""
   graphdef, state = nnx.split(model)
   B, P = len(prompts), len(prompts[0])
   buf = np.zeros((B, P + new_tokens), np.int32)
@@ -71,84 +100,120 @@ def bench_no_cache(model, prompts, new_tokens, repeats):
     return jax.lax.fori_loop(0, new_tokens, step, buf)
 
   jax.block_until_ready(decode(state, buf))
-  # One timed run: the baseline is O(N) times slower and only sets the scale.
-  tn = _median_time(lambda: jax.block_until_ready(decode(state, buf)), 1)
-  return tn, np.asarray(decode(state, buf))[:, P:]
+  seconds = _timed(lambda: jax.block_until_ready(decode(state, buf)))
+  return seconds, np.asarray(decode(state, buf))[:, P:]
 
 
-def bench_transformers(path, prompts, new_tokens, repeats):
-  import torch
-  import transformers
-
-  model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-  model.eval()
-  ids = torch.tensor(prompts)
-  attn = torch.ones_like(ids)
-
-  def run(n):
-    with torch.no_grad():
-      return model.generate(
-        ids, attention_mask=attn, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
-      )
-
-  run(2)
-  t1 = _median_time(lambda: run(1), repeats)
-  tn = _median_time(lambda: run(new_tokens), repeats)
-  return t1, tn, run(new_tokens)[:, len(prompts[0]) :].numpy()
+def _stats(values: list[float]) -> dict:
+  return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def main():
+def _rates(B, P, N, first: list[float], full: list[float]) -> dict:
+  t1, tn = statistics.median(first), statistics.median(full)
+  return {
+    "prefill_s": _stats(first),
+    "total_s": _stats(full),
+    "prefill_tok_s": B * P / t1,
+    "decode_tok_s": B * (N - 1) / max(tn - t1, 1e-9),
+    "generate_tok_s": B * N / tn,
+  }
+
+
+def model_config(args: argparse.Namespace):
+  if args.preset == "tunix":
+    cfg = get_preset("tiny").replace(name="tunix", max_seq_len=2048, **TUNIX_SHAPE)
+  else:
+    cfg = get_preset(args.preset)
+  overrides = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None}
+  return cfg.replace(param_dtype="float32", dtype="float32", remat="none", **overrides)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--preset", default="small")
-  parser.add_argument("--batch", default="1,16,32")
+  parser.add_argument("--preset", default="small", help="a model preset, or tunix (the GRPO benchmark's shape)")
+  for name in SHAPE_FLAGS:
+    parser.add_argument(f"--{name}", type=int, default=None, help="overrides the preset's field")
+  parser.add_argument("--batch", default="1,16,64")
   parser.add_argument("--prompt_len", type=int, default=64)
   parser.add_argument("--new_tokens", type=int, default=64)
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--repeats", type=int, default=3, help="alternating rounds per batch size")
   parser.add_argument("--no_baselines", action="store_true", help="only time mimo-jax")
   parser.add_argument("--no_cache_max_batch", type=int, default=16, help="largest batch for the no-cache baseline")
-  args = parser.parse_args()
+  parser.add_argument("--json_out", default="", help="also write the per-batch records here (a JSON list)")
+  args = parser.parse_args(argv)
+  try:
+    args.batches = [int(b) for b in args.batch.split(",")]
+  except ValueError:
+    parser.error(f"--batch={args.batch!r}: expected comma-separated positive integers")
+  if not args.batches or min(args.batches) < 1:
+    parser.error(f"--batch={args.batch!r}: expected comma-separated positive integers")
+  for name in ("prompt_len", "new_tokens", "repeats"):
+    if getattr(args, name) < 1:
+      parser.error(f"--{name}={getattr(args, name)}: must be >= 1")
+  return args
 
-  cfg = get_preset(args.preset).replace(param_dtype="float32", dtype="float32", remat="none")
+
+def main(argv=None):
+  args = parse_args(argv)
+  cfg = model_config(args)
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   tmp = tempfile.mkdtemp()
   if not args.no_baselines:
     save_hf(model, tmp)
-  import torch
+    import torch
 
+    threads = torch.get_num_threads()
+  else:
+    threads = None
   print(
     f"# {cfg.name}: {cfg.num_params() / 1e6:.1f}M params, backend={jax.default_backend()}, "
-    f"devices={jax.device_count()}, torch threads={torch.get_num_threads()}, cpus={os.cpu_count()}"
+    f"devices={jax.device_count()}, torch threads={threads}, cpus={os.cpu_count()}, "
+    f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
   )
-  header = f"{'B':>4} {'impl':>12} {'prefill tok/s':>14} {'decode tok/s':>13} {'total s':>8} {'vs hf':>6}"
-  print(header)
+  print(
+    f"{'B':>4} {'impl':>12} {'prefill tok/s':>14} {'decode tok/s':>13} {'total s':>8} {'(min-max)':>13} {'vs hf':>6}"
+  )
   rng = np.random.default_rng(0)
-  for B in (int(b) for b in args.batch.split(",")):
+  records = []
+  for B in args.batches:
     prompts = rng.integers(1, cfg.vocab_size, (B, args.prompt_len)).tolist()
     N, P = args.new_tokens, args.prompt_len
-    t1, tn, ours_tokens = bench_ours(model, prompts, N, args.repeats)
-    rows = {"mimo-jax": (B * P / t1, B * (N - 1) / max(tn - t1, 1e-9), tn)}
-    agree = None
+    sides = {"mimo-jax": ours(model, prompts, N)}
     if not args.no_baselines:
-      h1, hn, hf_tokens = bench_transformers(tmp, prompts, N, args.repeats)
-      rows["transformers"] = (B * P / h1, B * (N - 1) / max(hn - h1, 1e-9), hn)
-      if B <= args.no_cache_max_batch:
-        nc, _ = bench_no_cache(model, prompts, N, args.repeats)
-        rows["no-cache"] = (float("nan"), B * N / nc, nc)
-      agree = float(np.mean(ours_tokens == hf_tokens))
-    for name, (pf, dec, tot) in rows.items():
-      ratio = rows["transformers"][2] / tot if "transformers" in rows else float("nan")
-      print(f"{B:>4} {name:>12} {pf:>14.0f} {dec:>13.0f} {tot:>8.2f} {ratio:>6.2f}")
-    print(
-      json.dumps(
-        {
-          "batch": B,
-          "prompt_len": P,
-          "new_tokens": N,
-          "greedy_token_agreement_with_hf": agree,
-          **{k: {"prefill_tok_s": v[0], "decode_tok_s": v[1], "total_s": v[2]} for k, v in rows.items()},
-        }
+      sides["transformers"] = transformers_side(tmp, prompts, N)
+    times = {name: ([], []) for name in sides}
+    for _ in range(args.repeats):
+      for name, (run, _) in sides.items():
+        times[name][0].append(_timed(run, 1))
+        times[name][1].append(_timed(run, N))
+    rows = {name: _rates(B, P, N, *times[name]) for name in sides}
+    record: dict = {"batch": B, "prompt_len": P, "new_tokens": N, "repeats": args.repeats, "model": cfg.name, **rows}
+    if "transformers" in rows:
+      record["greedy_token_agreement_with_hf"] = float(np.mean(sides["mimo-jax"][1] == sides["transformers"][1]))
+      record["ratio_total_hf_over_ours"] = (
+        rows["transformers"]["total_s"]["median"] / rows["mimo-jax"]["total_s"]["median"]
       )
-    )
+      record["ratio_prefill_hf_over_ours"] = (
+        rows["transformers"]["prefill_s"]["median"] / rows["mimo-jax"]["prefill_s"]["median"]
+      )
+      if B <= args.no_cache_max_batch:
+        seconds, _ = no_cache_seconds(model, prompts, N)
+        rows["no-cache"] = record["no-cache"] = {"total_s": _stats([seconds]), "decode_tok_s": B * N / seconds}
+    for name, r in rows.items():
+      ratio = (
+        rows["transformers"]["total_s"]["median"] / r["total_s"]["median"] if "transformers" in rows else float("nan")
+      )
+      spread = f"{r['total_s']['min']:.2f}-{r['total_s']['max']:.2f}"
+      print(
+        f"{B:>4} {name:>12} {r.get('prefill_tok_s', float('nan')):>14.0f} {r['decode_tok_s']:>13.0f} "
+        f"{r['total_s']['median']:>8.3f} {spread:>13} {ratio:>6.2f}"
+      )
+    print(json.dumps(record), flush=True)
+    records.append(record)
+  if args.json_out:
+    with open(args.json_out, "w") as f:
+      json.dump(records, f, indent=1)
+  return records
 
 
 if __name__ == "__main__":
