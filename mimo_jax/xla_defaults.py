@@ -20,14 +20,17 @@ CPU_DOTS_ENV = "MIMO_JAX_CPU_DOTS"
 _YNN_FUSION_FLAG = "xla_cpu_experimental_ynn_fusion_type"
 CPU_DEFAULT_FLAGS = (f"--{_YNN_FUSION_FLAG}=-individual_dot",)
 
+# XLA_FLAGS as the process found it, before :func:`apply` (None: unset).
+_USER_XLA_FLAGS: str | None = os.environ.get("XLA_FLAGS")
+
 
 def apply(environ: dict | None = None) -> list[str]:
   """Appends the default CPU flags to ``XLA_FLAGS`` (those the user has not set); returns
   the flags added."""
   env = os.environ if environ is None else environ
-  choice = env.get(CPU_DOTS_ENV, "eigen")
+  choice = env.get(CPU_DOTS_ENV, "").strip().lower() or "eigen"
   if choice not in ("eigen", "ynn"):
-    raise ValueError(f"{CPU_DOTS_ENV}={choice!r} is not allowed; allowed values: eigen, ynn")
+    raise ValueError(f"{CPU_DOTS_ENV}={env[CPU_DOTS_ENV]!r} is not allowed; allowed values: eigen, ynn")
   if choice == "ynn":
     return []
   current = env.get("XLA_FLAGS", "")
@@ -35,3 +38,14 @@ def apply(environ: dict | None = None) -> list[str]:
   if added:
     env["XLA_FLAGS"] = " ".join([current, *added]).strip()
   return added
+
+
+def user_environ() -> dict:
+  """This process's environment with ``XLA_FLAGS`` as the user set it: for programs that are
+  not mimo-jax (a peer being measured), which should run on their own defaults."""
+  env = dict(os.environ)
+  if _USER_XLA_FLAGS is None:
+    env.pop("XLA_FLAGS", None)
+  else:
+    env["XLA_FLAGS"] = _USER_XLA_FLAGS
+  return env

@@ -128,26 +128,36 @@ def test_per_layer_cache_decode_step_equals_the_stacked_one(model):
     assert int(new.index) == int(ref_cache.index) == 9
 
 
-def test_single_query_attention_equals_the_batched_form():
-  """The decode step's multiply-reduce attention against the batched-dot form (GQA, masked
-  slots, a row with one visible slot)."""
-  from mimo_jax.models.transformer import _single_query_attention
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_single_query_attention_equals_the_batched_form(dtype):
+  """The CPU decode step's multiply-reduce attention against the batched-dot form the
+  learner's forward uses, at the same precision (GQA, masked slots, a row with one visible
+  slot, a row with none)."""
+  from mimo_jax.models.transformer import _MASK_VALUE, _single_query_attention
 
   rng = np.random.default_rng(0)
-  B, S, K, G, H = 3, 10, 2, 3, 8
-  q = jnp.asarray(rng.normal(size=(B, K, G, H)), jnp.float32)
-  k = jnp.asarray(rng.normal(size=(B, S, K, H)), jnp.float32)
-  v = jnp.asarray(rng.normal(size=(B, S, K, H)), jnp.float32)
+  B, S, K, G, H = 4, 10, 2, 3, 8
+  q = jnp.asarray(rng.normal(size=(B, K, G, H)), dtype)
+  k = jnp.asarray(rng.normal(size=(B, S, K, H)), dtype)
+  v = jnp.asarray(rng.normal(size=(B, S, K, H)), dtype)
   mask = rng.random((B, S)) < 0.6
   mask[2] = False
   mask[2, 4] = True
+  mask[3] = False
   mask = jnp.asarray(mask)
-  scores = jnp.einsum("BKGH,BSKH->BKGS", q, k) / np.sqrt(H)
-  scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
-  ref = jnp.einsum("BKGS,BSKH->BKGH", jax.nn.softmax(scores, axis=-1), v)
-  out = _single_query_attention(q, k, v, mask)
-  np.testing.assert_allclose(out, ref, atol=1e-5)
-  np.testing.assert_allclose(out[2], jnp.broadcast_to(v[2, 4][:, None, :], (K, G, H)), atol=1e-6)
+  # The Attention module's batched form (T = 1).
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q[:, None], k, preferred_element_type=jnp.float32) / np.sqrt(H)
+  scores = jnp.where(mask[:, None, None, None, :], scores, _MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+  ref = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)[:, 0]
+  out = _single_query_attention(q, k, v, mask, dtype)
+  assert out.dtype == dtype
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
+  np.testing.assert_allclose(
+    np.asarray(out[2], np.float32), np.broadcast_to(np.asarray(v[2, 4], np.float32)[:, None, :], (K, G, H)), atol=tol
+  )
+  assert np.isfinite(np.asarray(out[3], np.float32)).all()  # a fully masked row (a pad row) stays finite
 
 
 def test_prompt_padding_does_not_change_output(model):

@@ -367,7 +367,7 @@ def test_generate_benchmark_alternates_with_transformers_on_identical_weights(tm
     assert r["model"] == "tunix" and r["greedy_token_agreement_with_hf"] == 1.0
     for side in ("mimo-jax", "transformers"):
       assert len(r[side]) and r[side]["total_s"]["min"] <= r[side]["total_s"]["median"] <= r[side]["total_s"]["max"]
-    assert r["ratio_total_hf_over_ours"] == r["transformers"]["total_s"]["median"] / r["mimo-jax"]["total_s"]["median"]
+    assert np.isfinite(r["ratio_total_hf_over_ours"]) and np.isfinite(r["ratio_prefill_hf_over_ours"])
   cfg = bench_generate.model_config(bench_generate.parse_args(argv))
   assert (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (2, 64, 8, 4, 512)
   with pytest.raises(SystemExit):

@@ -52,3 +52,19 @@ def test_apply_adds_only_what_the_user_has_not_set():
 def test_a_bad_choice_is_refused_naming_the_variable_and_the_allowed_values():
   with pytest.raises(ValueError, match=r"MIMO_JAX_CPU_DOTS='mkl'.*allowed values: eigen, ynn"):
     xla_defaults.apply({"MIMO_JAX_CPU_DOTS": "mkl"})
+  # Empty means the default; the case does not matter.
+  blank = {"MIMO_JAX_CPU_DOTS": " "}
+  assert xla_defaults.apply(blank) == [FLAG]
+  upper = {"MIMO_JAX_CPU_DOTS": "YNN"}
+  assert xla_defaults.apply(upper) == [] and "XLA_FLAGS" not in upper
+
+
+def test_a_peer_measured_beside_mimo_jax_gets_the_users_xla_flags(monkeypatch):
+  """bench.grpo_step runs Tunix with user_environ(): XLA_FLAGS as the process found it,
+  without what importing mimo_jax added."""
+  monkeypatch.setattr(xla_defaults, "_USER_XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+  monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=2 {FLAG}")
+  env = xla_defaults.user_environ()
+  assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2" and env["PATH"] == os.environ["PATH"]
+  monkeypatch.setattr(xla_defaults, "_USER_XLA_FLAGS", None)
+  assert "XLA_FLAGS" not in xla_defaults.user_environ()

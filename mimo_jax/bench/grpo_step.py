@@ -41,6 +41,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+from mimo_jax import xla_defaults
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGFILE = os.path.join(ROOT, "experiments", "grpo_tiny.flags")
 
@@ -152,7 +154,8 @@ def _child(shape: str, steps: int, extra: Sequence[str]) -> dict:
 
 def _peer(script: str, shape: str, steps: int) -> dict:
   cmd = ["bash", script, *PEER_FLAGS[shape], f"--steps={steps}"]
-  out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  # The peer runs on its own XLA defaults, not on the ones importing mimo_jax added.
+  out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=xla_defaults.user_environ())
   lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
   if not lines:
     raise RuntimeError(f"peer {script} printed no RESULT line (exit {out.returncode}):\n{out.stderr[-4000:]}")

@@ -9,7 +9,8 @@ with ``jax.lax.scan``, so compile time does not grow with depth; the scanned bod
 optionally rematerialised.  Decoding is the exception: with a per-layer cache
 (:meth:`KVCache.per_layer`) the stack runs as an unrolled loop over per-layer weights
 (:meth:`Decoder.layer_states`), so a decode step neither slices the stacked weights nor
-copies a layer's cache out of the stack and back.  Norms, softmax and logits are float32 whatever the
+copies a layer's cache out of the stack and back; the decode step's program then grows
+with depth (the prefill still runs the scanned stack).  Norms, softmax and logits are float32 whatever the
 parameter and compute dtypes are.
 """
 
@@ -166,8 +167,8 @@ class Attention(nnx.Module):
     K = self.num_kv_heads
     # [B, T, K, G, H]: queries grouped by the KV head they share.
     q = q.reshape(B, T, K, N // K, H)
-    if T == 1 and kv_cache is not None:
-      out = _single_query_attention(q[:, 0], k, v, mask_bts[:, 0]).astype(dt).reshape(B, T, N, H)
+    if T == 1 and kv_cache is not None and jax.default_backend() == "cpu":
+      out = _single_query_attention(q[:, 0], k, v, mask_bts[:, 0], dt).reshape(B, T, N, H)
     else:
       scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
       scores = scores / np.sqrt(H).astype(np.float32)
@@ -181,19 +182,23 @@ class Attention(nnx.Module):
     return y, new_cache
 
 
-def _single_query_attention(q_bkgh, k_bskh, v_bskh, mask_bs):
-  """Attention of one query per row (a decode step) as two multiply-reduce fusions.
+def _single_query_attention(q_bkgh, k_bskh, v_bskh, mask_bs, dt):
+  """Attention of one query per row (a CPU decode step) as two multiply-reduce fusions.
 
   Reads the cache in its ``[B, S, K, H]`` layout: as batched dots, the two contractions
   are tiny matrix products per (row, KV head) that need the cache transposed first,
-  which on CPU cost more than the arithmetic.  float32 throughout; returns ``[B, K, G, H]``.
+  which on CPU cost more than the arithmetic.  The precision is the batched form's: inputs
+  in the compute dtype, products summed in float32, the probabilities rounded to the compute
+  dtype, so the sampler's log-probs match the learner's forward.  Returns ``[B, K, G, H]``
+  in ``dt``.  (Accelerators keep the batched form: there the products are matrix-unit work.)
   """
-  q = q_bkgh.astype(jnp.float32)
-  scores = jnp.sum(q[:, None] * k_bskh.astype(jnp.float32)[:, :, :, None, :], axis=-1)  # [B, S, K, G]
+  f32 = jnp.float32
+  q = q_bkgh.astype(dt).astype(f32)
+  scores = jnp.sum(q[:, None] * k_bskh.astype(dt).astype(f32)[:, :, :, None, :], axis=-1)  # [B, S, K, G]
   scores = scores / np.sqrt(q.shape[-1]).astype(np.float32)
   scores = jnp.where(mask_bs[:, :, None, None], scores, _MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=1)
-  return jnp.sum(probs[..., None] * v_bskh.astype(jnp.float32)[:, :, :, None, :], axis=1)
+  probs = jax.nn.softmax(scores, axis=1).astype(dt).astype(f32)
+  return jnp.sum(probs[..., None] * v_bskh.astype(dt).astype(f32)[:, :, :, None, :], axis=1).astype(dt)
 
 
 class MLP(nnx.Module):
@@ -363,7 +368,7 @@ class Decoder(nnx.Module):
       cache: optional KV cache; this call's tokens are written at ``cache.index``.  A
         per-layer cache runs the layers as an unrolled loop.
       layers: with a per-layer cache, the weights from :meth:`layer_states` (default:
-        sliced here).
+        sliced here); ignored otherwise.
 
     Returns:
       Final-normed hidden states ``[B, T, D]`` (compute dtype) and the updated cache.
@@ -407,6 +412,10 @@ class Decoder(nnx.Module):
       new_cache = None
     elif cache.is_per_layer:
       states = layers if layers is not None else self.layer_states()
+      if not len(states) == len(cache.k) == cfg.num_layers:
+        raise ValueError(
+          f"{cfg.num_layers} layers, {len(cache.k)} per-layer cache buffers and {len(states)} layer states"
+        )
       ks, vs = list(cache.k), list(cache.v)
       for i, state_l in enumerate(states):
         layer = nnx.merge(graphdef, state_l)

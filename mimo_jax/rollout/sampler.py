@@ -10,7 +10,7 @@ One ``generate`` call is one jitted function of ``(params, prompts, temperatures
    ``done`` mask; the loop exits early once every row has stopped.  By default the
    loop carries one cache buffer per layer and reads per-layer weights sliced once
    before it (``unrolled_decode``): a step then writes its cache slots in place and
-   copies no weights.
+   copies no weights, at the price of a decode program that grows with depth.
 
 Shapes are static per (prompt bucket ``P``, ``Np``, ``G``, ``M``): after warm-up, a new
 batch in a seen bucket compiles nothing.  Parameters are the live training state
@@ -121,9 +121,10 @@ class Sampler:
     rules: logical-axis rules for activations and the KV cache.
     cache_dtype: KV cache dtype (default: the model's compute dtype).
     unrolled_decode: decode with per-layer caches and per-layer weights, the layers
-      unrolled (one transient copy of the layer weights per generate call, laid out
-      like the parameters); False: the scanned stack, which slices each layer's weights
-      and cache out of the stacks at every step and needs no copy.
+      unrolled (one transient copy of the layer weights per generate call, and a decode
+      program that grows with depth); False: the scanned stack, which slices each
+      layer's weights and cache out of the stacks at every step and needs no copy.
+      Read when a shape is first compiled.
     """
     self.config = model.config
     self.mesh = mesh
@@ -180,16 +181,14 @@ class Sampler:
     with self._rules_ctx():
       # ---- prefill (once per prompt)
       positions = positions_from_mask(prompt_mask)
-      cache = KVCache.init(self.config, Np, P + M, self.cache_dtype)
+      cache = _constrain_cache(KVCache.init(self.config, Np, P + M, self.cache_dtype))
+      # The prefill runs the scanned stack (its program does not grow with depth).
+      hidden, cache = model.hidden(prompt_tokens, attention_mask=prompt_mask, positions=positions, cache=cache)
       layers = None
       if self.unrolled_decode:
-        # One copy of the layer weights for the whole call; prefill and decode read it in place.
+        # One copy of the layer weights for the whole call, read in place by every decode step.
         layers = model.decoder.layer_states()
         cache = cache.per_layer()
-      cache = _constrain_cache(cache)
-      hidden, cache = model.hidden(
-        prompt_tokens, attention_mask=prompt_mask, positions=positions, cache=cache, layers=layers
-      )
       # Left padding: the last slot is the last real token. Unembed only that position
       # (the full [Np, P, V] logits would cost P times the head's FLOPs for nothing).
       last_logits = model.logits_from_hidden(hidden[:, -1:])[:, 0]
