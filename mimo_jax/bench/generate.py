@@ -33,11 +33,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mimo_jax.bench.grpo_step import TUNIX_SHAPE as _PEER_SHAPE
 from mimo_jax.models import Transformer, get_preset, save_hf
 from mimo_jax.rollout import Sampler, SamplingParams, left_pad
 
-# The shape of ``python -m mimo_jax.bench.grpo_step --shape tunix`` (Tunix's own benchmark model).
-TUNIX_SHAPE = dict(num_layers=4, d_model=256, mlp_dim=1024, num_heads=8, num_kv_heads=4, head_dim=32, vocab_size=512)
+# The model of ``python -m mimo_jax.bench.grpo_step --shape tunix`` (Tunix's own benchmark model).
+TUNIX_SHAPE = dict(
+  num_layers=_PEER_SHAPE["layers"],
+  d_model=_PEER_SHAPE["d_model"],
+  mlp_dim=_PEER_SHAPE["mlp"],
+  num_heads=_PEER_SHAPE["heads"],
+  num_kv_heads=_PEER_SHAPE["kv_heads"],
+  head_dim=_PEER_SHAPE["head_dim"],
+  vocab_size=_PEER_SHAPE["vocab"],
+)
 SHAPE_FLAGS = ("num_layers", "d_model", "mlp_dim", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
 
 

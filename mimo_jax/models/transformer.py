@@ -192,13 +192,12 @@ def _single_query_attention(q_bkgh, k_bskh, v_bskh, mask_bs, dt):
   dtype, so the sampler's log-probs match the learner's forward.  Returns ``[B, K, G, H]``
   in ``dt``.  (Accelerators keep the batched form: there the products are matrix-unit work.)
   """
-  f32 = jnp.float32
-  q = q_bkgh.astype(dt).astype(f32)
-  scores = jnp.sum(q[:, None] * k_bskh.astype(dt).astype(f32)[:, :, :, None, :], axis=-1)  # [B, S, K, G]
-  scores = scores / np.sqrt(q.shape[-1]).astype(np.float32)
+  f32 = jnp.float32  # q, k and v arrive in the compute dtype
+  scores = jnp.sum(q_bkgh.astype(f32)[:, None] * k_bskh.astype(f32)[:, :, :, None, :], axis=-1)  # [B, S, K, G]
+  scores = scores / np.sqrt(q_bkgh.shape[-1]).astype(np.float32)
   scores = jnp.where(mask_bs[:, :, None, None], scores, _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=1).astype(dt).astype(f32)
-  return jnp.sum(probs[..., None] * v_bskh.astype(dt).astype(f32)[:, :, :, None, :], axis=1).astype(dt)
+  return jnp.sum(probs[..., None] * v_bskh.astype(f32)[:, :, :, None, :], axis=1).astype(dt)
 
 
 class MLP(nnx.Module):
