@@ -16,6 +16,7 @@ from mimo_jax.models import (
   get_preset,
 )
 from mimo_jax.models.config import ConfigError, tiny
+from mimo_jax.models.transformer import project
 
 
 def _model(**changes) -> Transformer:
@@ -148,6 +149,41 @@ def test_remat_changes_nothing_numerically(remat):
   l1, g1 = loss_and_grad(_model(remat=remat))
   np.testing.assert_allclose(l0, l1, rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g0, g1)
+
+
+def test_project_is_the_einsum_over_the_last_dims():
+  rng = np.random.default_rng(6)
+  x = rng.standard_normal((3, 5, 4, 6)).astype(np.float32)
+  w2 = rng.standard_normal((4, 6, 7)).astype(np.float32)
+  w1 = rng.standard_normal((6, 2, 3)).astype(np.float32)
+  np.testing.assert_allclose(project(x, w2, contract=2), np.einsum("btnh,nhd->btd", x, w2), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(project(x, w1), np.einsum("btnh,hkd->btnkd", x, w1), rtol=1e-5, atol=1e-5)
+  wide = project(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w1, jnp.bfloat16), preferred_element_type=jnp.float32)
+  assert wide.dtype == jnp.float32 and wide.shape == (3, 5, 4, 2, 3)
+  with pytest.raises(ValueError, match="disagree on the 2 contracted dims"):
+    project(x, np.swapaxes(w2, 0, 1), contract=2)
+
+
+def test_weight_gradients_are_row_products_without_a_transposed_activation():
+  """Every projection is one ``[B*T, in] @ [in, out]`` product, so its weight gradient is ``x^T @ g`` over
+  the rows.  As ``[B, T, D]`` einsums the weight gradient contracts over two dims and XLA:CPU first copies
+  the ``[B, T, F]`` activation gradient into a transposed ``[F, B*T]`` array (with the SwiGLU derivative
+  fused into the copy, read column-wise), which took longer than the products themselves."""
+  cfg = tiny().replace(mlp_dim=96)
+  B, T = 3, 7
+  tokens = jnp.asarray(np.random.default_rng(7).integers(0, 256, (B, T)), jnp.int32)
+  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+
+  def loss(state):
+    return jnp.mean(nnx.merge(graphdef, state)(tokens) ** 2)
+
+  hlo = jax.jit(jax.grad(loss)).lower(state).compile().as_text()
+  F = cfg.mlp_dim
+  transposed = [f"f32[{F},{B * T}]", f"f32[{F},{B},{T}]"]
+  assert f"f32[{B * T},{F}]" in hlo  # the activation itself, as rows
+  assert not [t for t in transposed if t in hlo], [
+    line for line in hlo.splitlines() if any(t in line for t in transposed)
+  ][:3]
 
 
 def test_bf16_params_keep_float32_logits():

@@ -36,6 +36,24 @@ def _normal(rngs: nnx.Rngs, shape, dtype) -> jax.Array:
   return (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
+def project(x: jax.Array, w: jax.Array, contract: int = 1, preferred_element_type=None) -> jax.Array:
+  """``x [..., *in] @ w [*in, *out]`` (``in`` = the last ``contract`` dims of ``x``) as one 2-D product.
+
+  The leading dims (``B, T``) are merged into one row dim first.  Written as a ``[B, T, D]`` einsum,
+  the weight gradient contracts over two dims, and XLA:CPU lowers that with a transposing copy of
+  the ``[B, T, F]`` activation (the SwiGLU derivative fused into it, read column-wise) that costs more
+  than the product itself; over rows it is one plain ``x^T @ g``.  The merge is a bitcast: the rows
+  are the major dims, and sharded the same way (``batch`` major).
+  """
+  lead, inner = x.shape[: x.ndim - contract], x.shape[x.ndim - contract :]
+  k = math.prod(inner)
+  if w.shape[:contract] != inner:
+    raise ValueError(f"project: x {x.shape} and w {w.shape} disagree on the {contract} contracted dims")
+  out = w.shape[contract:]
+  y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=preferred_element_type)
+  return y.reshape(*lead, *out)
+
+
 # ----------------------------------------------------------------------------
 # RoPE
 # ----------------------------------------------------------------------------
@@ -142,9 +160,9 @@ class Attention(nnx.Module):
     """
     dt = self.dtype
     x = x_btd.astype(dt)
-    q = jnp.einsum("BTD,DNH->BTNH", x, self.w_q_dnh[...].astype(dt))
-    k = jnp.einsum("BTD,DKH->BTKH", x, self.w_k_dkh[...].astype(dt))
-    v = jnp.einsum("BTD,DKH->BTKH", x, self.w_v_dkh[...].astype(dt))
+    q = project(x, self.w_q_dnh[...].astype(dt))
+    k = project(x, self.w_k_dkh[...].astype(dt))
+    v = project(x, self.w_v_dkh[...].astype(dt))
     if self.b_q_nh is not None:
       q = q + self.b_q_nh[...].astype(dt)
       k = k + self.b_k_kh[...].astype(dt)
@@ -176,7 +194,7 @@ class Attention(nnx.Module):
       probs = jax.nn.softmax(scores, axis=-1).astype(dt)
       out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, T, N, H)
     out = constrain(out, ("batch", "seq", "heads", "head_dim"))
-    y = jnp.einsum("BTNH,NHD->BTD", out, self.w_o_nhd[...].astype(dt))
+    y = project(out, self.w_o_nhd[...].astype(dt), contract=2)
     if self.b_o_d is not None:
       y = y + self.b_o_d[...].astype(dt)
     return y, new_cache
@@ -212,10 +230,10 @@ class MLP(nnx.Module):
   def __call__(self, x_btd: jax.Array) -> jax.Array:
     dt = self.dtype
     x = x_btd.astype(dt)
-    gate = jnp.einsum("BTD,DF->BTF", x, self.w_gate_df[...].astype(dt))
-    up = jnp.einsum("BTD,DF->BTF", x, self.w_up_df[...].astype(dt))
+    gate = project(x, self.w_gate_df[...].astype(dt))
+    up = project(x, self.w_up_df[...].astype(dt))
     h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-    return jnp.einsum("BTF,FD->BTD", h, self.w_down_fd[...].astype(dt))
+    return project(h, self.w_down_fd[...].astype(dt))
 
 
 class Block(nnx.Module):
@@ -466,9 +484,7 @@ class Transformer(nnx.Module):
   def logits_from_hidden(self, hidden_btd: jax.Array) -> jax.Array:
     """float32 logits ``[B, T, V]`` from final hidden states."""
     dt = jnp.dtype(self.config.dtype)
-    logits = jnp.einsum(
-      "BTD,DV->BTV", hidden_btd.astype(dt), self.unembedding().astype(dt), preferred_element_type=jnp.float32
-    )
+    logits = project(hidden_btd.astype(dt), self.unembedding().astype(dt), preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", "seq", "vocab"))
 
   def hidden(self, tokens_bt, *, attention_mask=None, positions=None, cache=None, layers=None):
