@@ -741,6 +741,12 @@ class RunConfig:
   eval_every: int = field(0, "Evaluate every N steps (0: only at the start and end).", ge=0)
   eval_samples: int = field(8, "Samples per held-out prompt for pass@k (k = 1 and this number).", ge=1)
   eval_temperature: float = field(1.0, "Sampling temperature of the pass@k evaluation.", gt=0)
+  compile_ahead: bool = field(
+    True,
+    "Compile the learner's step programs in a background thread while the first rollout generates (their "
+    "shapes are known once the first prompts are padded), so the first step does not wait for them after "
+    "its rollout; false: each compiles at its first call.",
+  )
   dry_run: bool = field(False, "Build and AOT-compile everything abstractly, print memory, exit.")
   dry_run_topology: str = field(
     "",
@@ -842,7 +848,14 @@ ADDED_SETTINGS = {
     "time_split",
   ),
   "checkpoint": ("keep_best",),
-  "run": ("stop_at_step", "rm_steps", "sft_curriculum_steps", "debug_lr_spike_steps", "debug_lr_spike_factor"),
+  "run": (
+    "stop_at_step",
+    "rm_steps",
+    "sft_curriculum_steps",
+    "debug_lr_spike_steps",
+    "debug_lr_spike_factor",
+    "compile_ahead",
+  ),
   # sft_grad_clip absent: the warm start was clipped at --grad_clip (ADDED_FROM).
   "optim": ("rm_learning_rate", "sft_grad_clip"),
   # Absent reads as auto: it differs from the older recompute by rounding only, and only in training.

@@ -195,6 +195,9 @@ def _cfg(tmp_path, *extra) -> Config:
   return parse_config(["prog", f"--flagfile={path}", f"--run_dir={tmp_path}", *FAST, *extra])
 
 
+LEARNER_PROGRAMS = {"learn", "score_rollout", "update_from"}
+
+
 def test_rl_steps_compile_nothing_after_warmup_and_keep_heldout_out(tmp_path):
   from mimo_jax.train.loop import RLRun
 
@@ -203,7 +206,13 @@ def test_rl_steps_compile_nothing_after_warmup_and_keep_heldout_out(tmp_path):
   run.open_logger(None)
   state = run.begin_rl(run.fresh_state("rl").params, {})
   heldout = {p.uid for p in run.heldout}
-  state, _ = run.step(state, 0)
+  with count_compilations() as first:
+    state, _ = run.step(state, 0)
+  # --compile_ahead (the default): the learner's program was compiled in its own thread while the first
+  # rollout generated, for the very shapes and shardings the step then gave it (else the loop's thread
+  # would have compiled it again at the call).
+  assert [f for t, f in first.programs if t == "compile-ahead"] == ["learn"], first.programs
+  assert not {f for t, f in first.programs if t != "compile-ahead"} & LEARNER_PROGRAMS, first.programs
   state, _ = run.step(state, 1)
   with count_compilations() as c:
     for step in range(2, 5):
@@ -581,6 +590,7 @@ _TWO_PROGRAMS = """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from mimo_jax.main import parse_config
+from mimo_jax.testing.compiles import count_compilations
 from mimo_jax.train.learner import Faults
 from mimo_jax.train.loop import RLRun
 
@@ -588,6 +598,8 @@ cfg = parse_config(sys.argv)
 run = RLRun(cfg, cfg.logging.run_dir)
 run.open_logger(None)
 state = run.begin_rl(run.fresh_state("rl").params, {})
+with count_compilations() as first:  # the first step: its two learner programs compiled ahead
+  state, _ = run.step(state, 0)
 exp = run.to_learner(run.worker.produce(0, 0).experience)
 exp = exp.replace(rewards=np.arange(exp.rewards.shape[0], dtype=np.float32) % 3)  # advantages not all 0
 one, one_metrics = run.learner.learn(jax.tree.map(jnp.copy, state), exp, jnp.int32(0), Faults.none())
@@ -605,7 +617,7 @@ print(json.dumps({
   "one": leaves((one, one_metrics)), "two": leaves((two, two_metrics)), "changed": changed,
   "score_old": float(jnp.max(jnp.abs(scores.old_logprobs))), "score_ref": float(jnp.max(jnp.abs(scores.ref_logprobs))),
   "values_shape_ok": scores.values.shape == scores.old_logprobs.shape, "devices": jax.device_count(),
-  "time_split": run.time_split,
+  "time_split": run.time_split, "first_programs": first.programs,
 }))
 run.close()
 """
@@ -631,6 +643,10 @@ def test_the_learner_as_two_programs_is_the_one_program_step(tmp_path, algo):
   assert out.returncode == 0, out.stderr[-4000:]
   r = json.loads(out.stdout.strip().splitlines()[-1])
   assert r["devices"] == 1 and r["time_split"] == "measured"
+  # Both programs of the measured split were compiled in the compile-ahead thread during the first rollout.
+  first = r["first_programs"]
+  assert [f for t, f in first if t == "compile-ahead"] == ["score_rollout", "update_from"], first
+  assert not {f for t, f in first if t != "compile-ahead"} & LEARNER_PROGRAMS, first
   assert r["score_old"] > 0 and r["score_ref"] > 0 and r["values_shape_ok"]  # the critic's values or zeros
   assert len(r["one"]) == len(r["two"])
   for a, b in zip(r["one"], r["two"], strict=True):

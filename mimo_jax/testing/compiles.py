@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import jax
@@ -18,10 +19,17 @@ class CompileCounter:
 
   def __init__(self):
     self.count = 0
+    # (thread name, function name) of each program built or loaded, in order (``jit(f)`` as ``f``).
+    self.programs: list[tuple[str, str]] = []
 
   def _listener(self, event: str, duration: float, **kwargs) -> None:
     if event in (_BACKEND_COMPILE_EVENT, _CACHE_HIT_EVENT):
       self.count += 1
+    if event == _BACKEND_COMPILE_EVENT:  # around the persistent cache's read too
+      name = str(kwargs.get("fun_name", ""))
+      if name.startswith("jit(") and name.endswith(")"):
+        name = name[4:-1]
+      self.programs.append((threading.current_thread().name, name))
 
 
 @contextlib.contextmanager

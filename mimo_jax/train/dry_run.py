@@ -39,7 +39,14 @@ from mimo_jax.models.transformer import KV_CACHE_LOGICAL_AXES
 from mimo_jax.optim import TrainState, abstract_opt_state
 from mimo_jax.rollout import Sampler, SamplingParams
 from mimo_jax.topology import Topology, parse_topology, topology_devices
-from mimo_jax.train.learner import Experience, Faults, LearnerState, build_learner, init_controller_state, uses_kl
+from mimo_jax.train.learner import (
+  Faults,
+  LearnerState,
+  abstract_experience,
+  build_learner,
+  init_controller_state,
+  uses_kl,
+)
 
 GiB = 1024**3
 
@@ -180,27 +187,7 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
   Np = cfg.data.prompts_per_step
   B, P, M = Np * G, max(cfg.rollout.buckets), cfg.rollout.max_new_tokens
 
-  def rows(shape, dtype):
-    return _sds(shape, dtype, mesh, ("batch",) + (None,) * (len(shape) - 1))
-
-  exp = Experience(
-    prompt_tokens=rows((B, P), jnp.int32),
-    prompt_mask=rows((B, P), bool),
-    completion_tokens=rows((B, M), jnp.int32),
-    completion_mask=rows((B, M), bool),
-    lengths=rows((B,), jnp.int32),
-    truncated=rows((B,), bool),
-    rewards=rows((B,), jnp.float32),
-    reward_components={"correct": rows((B,), jnp.float32)},
-    logprobs=rows((B, M), jnp.float32),
-    sampler_logprobs=rows((B, M), jnp.float32),
-    temperature=rows((B,), jnp.float32),
-    top_k=rows((B,), jnp.int32),
-    top_p=rows((B,), jnp.float32),
-    policy_version=rows((B,), jnp.int32),
-    prompt_id=rows((B,), jnp.int32),
-    batch_id=rows((B,), jnp.int32),
-  )
+  exp = abstract_experience(mesh, rows=B, prompt_len=P, completion_len=M, reward_names=("correct",))
   step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
   faults = Faults(
     nan_advantages=jax.ShapeDtypeStruct((), bool, sharding=replicated),

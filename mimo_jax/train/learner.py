@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import flax.struct
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from mimo_jax import multihost, sharding
 from mimo_jax.config import Config
 from mimo_jax.optim import TrainState, make_optimizer
 from mimo_jax.rl.controllers import (
@@ -529,6 +531,77 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
   )
 
 
+# ----------------------------------------------------------------------------
+# The learner's input layout, and compiling its programs ahead
+# ----------------------------------------------------------------------------
+
+
+def experience_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
+  """Where the learner takes an :class:`Experience` array of ``shape``: rows over the batch shards of the
+  training rules, every other dim whole."""
+  return sharding.named_sharding(mesh, ("batch",) + (None,) * (len(shape) - 1), sharding.TRAIN_RULES, shape)
+
+
+def place_experience(exp: Experience, mesh: Mesh | None) -> Experience:
+  """``exp`` in the learner's one input layout (:func:`experience_sharding`): the sampler's arrays
+  wherever its program left them and the host's rewards and provenance (numpy) alike.  An array already
+  there is not moved.  One layout is one program, and one that is known before the rollout exists
+  (:func:`compile_ahead`).  ``mesh`` None (one device, no mesh): returned as it is."""
+  if mesh is None:
+    return exp
+  return jax.tree.map(lambda x: multihost.put(x, experience_sharding(mesh, x.shape)), exp)
+
+
+def abstract_experience(
+  mesh: Mesh, *, rows: int, prompt_len: int, completion_len: int, reward_names: Sequence[str]
+) -> Experience:
+  """The :class:`Experience` of ``rows`` rollout rows (prompts left-padded to ``prompt_len``, completions
+  ``completion_len`` long) as ``ShapeDtypeStruct``s in the layout :func:`place_experience` gives."""
+  B, P, M = rows, prompt_len, completion_len
+
+  def a(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=experience_sharding(mesh, shape))
+
+  return Experience(
+    prompt_tokens=a((B, P), jnp.int32),
+    prompt_mask=a((B, P), jnp.bool_),
+    completion_tokens=a((B, M), jnp.int32),
+    completion_mask=a((B, M), jnp.bool_),
+    lengths=a((B,), jnp.int32),
+    truncated=a((B,), jnp.bool_),
+    rewards=a((B,), jnp.float32),
+    reward_components={name: a((B,), jnp.float32) for name in sorted(reward_names)},
+    logprobs=a((B, M), jnp.float32),
+    sampler_logprobs=a((B, M), jnp.float32),
+    temperature=a((B,), jnp.float32),
+    top_k=a((B,), jnp.int32),
+    top_p=a((B,), jnp.float32),
+    policy_version=a((B,), jnp.int32),
+    prompt_id=a((B,), jnp.int32),
+    batch_id=a((B,), jnp.int32),
+  )
+
+
+def compile_ahead(learner: Learner, state: Any, exp: Experience, *, split: bool) -> None:
+  """Compiles the learner's step programs for ``state`` and ``exp`` (arrays or ``ShapeDtypeStruct``s;
+  nothing is read or donated) into their jit caches, so a later call with arguments of these shapes and
+  shardings runs without compiling.  ``split``: the two programs of ``--time_split=measured`` (``score``,
+  then ``update`` on its outputs) instead of ``learn``.  The trainer runs this in a thread beside the
+  first rollout, whose generate program compiles meanwhile (see ``RLRun.step``)."""
+  step = jnp.int32(0)
+  faults = Faults.none()
+  if not split:
+    learner.learn.lower(state, exp, step, faults).compile()
+    return
+  scored = learner.score.lower(state, exp).compile()
+  scores = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+    jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), scored.out_info),
+    scored.output_shardings,
+  )
+  learner.update.lower(state, exp, scores, step, faults).compile()
+
+
 class StateLayoutJit:
   """``jax.jit(fn, donate_argnums=0)`` for ``fn(state, *args) -> (state, out)`` whose state comes out in
   the layout it went in.
@@ -550,6 +623,7 @@ class StateLayoutJit:
       fn = self._fn
       if any(isinstance(s, NamedSharding) for s in layout):
 
+        @functools.wraps(self._fn)  # the program keeps the step's name (compile logs, profiles)
         def fn(state, *args):
           new_state, out = self._fn(state, *args)
           leaves, treedef = jax.tree.flatten(new_state)

@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -24,7 +25,6 @@ import numpy as np
 import tqdm
 from absl import logging
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from mimo_jax import multihost, sharding
 from mimo_jax.ckpt.manager import abstract_like
@@ -55,8 +55,11 @@ from mimo_jax.train.learner import (
   Experience,
   Faults,
   LearnerState,
+  abstract_experience,
   build_learner,
+  compile_ahead,
   init_controller_state,
+  place_experience,
   sampler_behaviour,
   uses_kl,
 )
@@ -336,6 +339,11 @@ class RLRun:
     self.nan_steps = set(cfg.run.debug_nan_steps)
     self.spike_steps = set(cfg.run.debug_lr_spike_steps)
     self.time_split = resolve_time_split(cfg.logging.time_split, self.mesh.devices.flat[0].platform, self.mesh.size)
+    # --compile_ahead: the learner's programs compile in a thread while this process's first rollout
+    # generates (set up by the first RL step; joined before the first learner call).
+    self._ahead_pending = cfg.run.compile_ahead
+    self._ahead: threading.Thread | None = None
+    self._ahead_error: BaseException | None = None
 
   def rollout_params(self, params: Any) -> Any:
     """``params`` where the sampler reads them: the live learner weights on a shared mesh, or their copy on
@@ -345,17 +353,43 @@ class RLRun:
     return jax.device_put(params, self._generation_shardings)
 
   def to_learner(self, exp: Experience) -> Experience:
-    """A rollout sub-mesh's Experience on the learner's mesh (rows over the batch shards)."""
-    if self.rollout_mesh is None:
-      return exp
+    """An Experience in the learner's input layout (rows over the learner mesh's batch shards), wherever
+    the rollout left it: on a rollout sub-mesh, or on the shared mesh in its generate program's layout."""
+    return place_experience(exp, self.mesh)
 
-    def place(x):
-      if not hasattr(x, "ndim") or x.ndim == 0:
-        return x
-      spec = sharding.logical_to_spec(("batch",) + (None,) * (x.ndim - 1), sharding.TRAIN_RULES, self.mesh, x.shape)
-      return jax.device_put(x, NamedSharding(self.mesh, spec))
+  def _start_compile_ahead(self, state: LearnerState) -> None:
+    """Arms the worker: once the first rollout's prompts are padded (the batch's shapes are known), the
+    learner's programs for them compile in a thread, beside the generate program's own compilation and
+    run.  What it compiles lands in the programs' jit caches; a batch of other shapes (a wider dynamic-
+    sampling round) just compiles at its call, as without it."""
+    abstract = abstract_like(state)
+    G, M = self.cfg.rollout.num_samples, self.cfg.rollout.max_new_tokens
+    names = self.worker.rewarder.names
 
-    return jax.tree.map(place, exp)
+    def work(prompt_len: int) -> None:
+      try:
+        exp = abstract_experience(
+          self.mesh, rows=self.worker.rows * G, prompt_len=prompt_len, completion_len=M, reward_names=names
+        )
+        compile_ahead(self.learner, abstract, exp, split=self.time_split == "measured")
+      except BaseException as e:  # the call compiles (and raises) it again
+        self._ahead_error = e
+
+    def start(prompt_len: int) -> None:
+      self._ahead = threading.Thread(target=work, args=(prompt_len,), name="compile-ahead", daemon=True)
+      self._ahead.start()
+
+    self.worker.on_prompt_length = start
+
+  def _join_compile_ahead(self) -> None:
+    """Waits for the ahead compilation (a second compilation of the same program would only add to it)."""
+    self.worker.on_prompt_length = None
+    if self._ahead is not None:
+      self._ahead.join()
+      self._ahead = None
+      if self._ahead_error is not None:
+        logging.warning("compiling the learner ahead failed (it compiles at its first call): %r", self._ahead_error)
+        self._ahead_error = None
 
   @property
   def sampler(self) -> Any:
@@ -682,6 +716,7 @@ class RLRun:
   def close(self) -> None:
     if self.rollout is not None:
       self.rollout.stop()
+    self._join_compile_ahead()
     self.worker.rewarder.close()
     self.ckpt.close()
     self.ref_ckpt.close()
@@ -779,6 +814,9 @@ class RLRun:
     """
     cfg = self.cfg
     t0 = time.perf_counter()
+    if self._ahead_pending:
+      self._ahead_pending = False
+      self._start_compile_ahead(state)
     # ---- rollout: generate -> decode -> reward (host), with dynamic sampling when on. Versions count
     # RL steps: the policy entering step ``step`` is version ``step``.
     if self.rollout is None:
@@ -803,6 +841,7 @@ class RLRun:
     self.nan_steps.discard(step)
     self.spike_steps.discard(step + 1)
     exp = self.to_learner(batch.experience)
+    self._join_compile_ahead()
     if self.time_split == "measured":  # two programs, the score pass timed alone
       scores = jax.block_until_ready(self.learner.score(state, exp))
       t_scored = time.perf_counter()

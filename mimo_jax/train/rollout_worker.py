@@ -20,7 +20,7 @@ import hashlib
 import json
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -232,6 +232,9 @@ class RolloutWorker:
     self.rewarder = rewarder
     self.buckets = cfg.rollout.buckets
     self.rows = cfg.data.prompts_per_step
+    # Called once, with the padded prompt length, just before the next generate call (then cleared):
+    # the first moment the rollout's shapes are known (the trainer compiles its learner from here on).
+    self.on_prompt_length: Callable[[int], None] | None = None
     self.sampling = sampling_params(cfg.rollout, tokenizer)
     self.sampling_version = digest([dataclasses.asdict(self.sampling), dataclasses.asdict(cfg.rollout)])
     # Host state only: the key as its raw data (a device array held by a Python object would be
@@ -398,6 +401,9 @@ class RolloutWorker:
     """Samples a batch of prompts and generates ``num_samples`` completions for each."""
     problems = self.sample_problems()
     tokens, mask, truncated = encode_prompts(self.tokenizer, [p.prompt for p in problems], self.buckets)
+    if self.on_prompt_length is not None:
+      hook, self.on_prompt_length = self.on_prompt_length, None
+      hook(int(tokens.shape[1]))
     rollout = self.sampler.generate(
       tokens,
       mask,
