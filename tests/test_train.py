@@ -346,20 +346,27 @@ def test_grpo_step_benchmark_times_the_trainers_step_and_its_programs():
   assert m["score_s"] > 0 and m["learn_s"] > 0 and m["generate_s"] > 0 and m["devices"] == jax.device_count()
   assert 0 < m["score_apportioned_s"] < m["learn_s"]
   # Both sides of the side-by-side run one shape: the trainer's flags and the peer's say the same.
-  cfg = parse_config(["prog", f"--flagfile={grpo_step.FLAGFILE}", *grpo_step.SHAPES["tunix"]])
-  model = cfg.model.model_config()
-  peer = dict(f[2:].split("=") for f in grpo_step.PEER_FLAGS["tunix"])
-  assert (model.num_layers, model.d_model, model.mlp_dim, model.num_heads, model.num_kv_heads, model.head_dim) == (
-    int(peer["layers"]),
-    int(peer["d_model"]),
-    int(peer["mlp"]),
-    int(peer["heads"]),
-    int(peer["kv_heads"]),
-    int(peer["head_dim"]),
-  )
-  assert cfg.model.vocab_size == int(peer["vocab"]) and cfg.rollout.max_new_tokens == int(peer["max_new_tokens"])
-  assert (cfg.data.prompts_per_step, cfg.rollout.num_samples) == (int(peer["prompts"]), int(peer["group"]))
-  assert cfg.rollout.buckets == (int(peer["max_prompt_len"]),)
+  for shape in ("tunix", "demo"):
+    cfg = parse_config(["prog", f"--flagfile={grpo_step.FLAGFILE}", *grpo_step.SHAPES[shape]])
+    model = cfg.model.model_config()
+    peer = dict(f[2:].split("=") for f in grpo_step.PEER_FLAGS[shape])
+    dims = (model.num_layers, model.d_model, model.mlp_dim, model.num_heads, model.num_kv_heads)
+    assert (*dims, model.resolved_head_dim) == (
+      int(peer["layers"]),
+      int(peer["d_model"]),
+      int(peer["mlp"]),
+      int(peer["heads"]),
+      int(peer["kv_heads"]),
+      int(peer["head_dim"]),
+    ), shape
+    assert cfg.model.vocab_size == int(peer["vocab"]) == grpo_step.PEER_VOCAB[shape]
+    assert cfg.rollout.max_new_tokens == int(peer["max_new_tokens"])
+    assert (cfg.data.prompts_per_step, cfg.rollout.num_samples) == (int(peer["prompts"]), int(peer["group"]))
+    assert cfg.rollout.buckets == (int(peer["max_prompt_len"]),)
+  # The demo shape is the embedded default's but for the vocabulary and the prompt bucket.
+  default = parse_config(["prog", f"--flagfile={grpo_step.FLAGFILE}"])
+  assert cfg.model.model_preset == default.model.model_preset == "demo"
+  assert cfg.rollout.temperature == default.rollout.temperature == float(peer["temperature"])
 
 
 def test_generate_benchmark_alternates_with_transformers_on_identical_weights(tmp_path):

@@ -1,6 +1,6 @@
 """A whole GRPO step, side by side with a peer: first step (compilation included) and steady step time.
 
-    python -m mimo_jax.bench.grpo_step [--shape tunix|default] [--steps 8] [--repeats 3]
+    python -m mimo_jax.bench.grpo_step [--shape tunix|default|demo] [--steps 8] [--repeats 3]
                                        [--peer_script PATH/peer_tunix_grpo.sh] [--json_out FILE]
                                        [-- extra trainer flags, e.g. --tokenizer_path=...]
 
@@ -17,7 +17,7 @@ With ``--peer_script`` the peer (Google Tunix's GRPO loop, ``peer_tunix_grpo.sh`
 peers) runs at the same shape in its own process, alternating with mimo-jax, ``--repeats`` rounds each;
 the summary gives each side's medians and spreads and the ratios mimo-jax / peer (below 1: mimo-jax is
 faster).  Unless a ``--tokenizer_path`` is passed through, mimo-jax then uses the SentencePiece model the
-peer trained (``$PEER_HOME/tunix-work/arith_bpe_512.model``), so both sample from the same vocabulary.  Numbers are only comparable inside one sitting: run both here, never against remembered ones.
+peer trained (``$PEER_HOME/tunix-work/arith_bpe_<vocabulary>.model``), so both sample from the same vocabulary.  Numbers are only comparable inside one sitting: run both here, never against remembered ones.
 
 Shapes:
 
@@ -25,6 +25,8 @@ Shapes:
   vocabulary 512; 8 prompts x 8 samples x 64 new tokens, prompts left-padded to 32; the peer's
   settings (AdamW 1e-4 constant, no gradient clip, KL 0.04 in the loss, clip 0.2, temperature 0.9).
 * ``default``: the embedded default's RL step (``experiments/grpo_tiny.flags``) as ``make run`` runs it.
+* ``demo``: the embedded default's model and batch (the demo preset; 16 prompts x 8 samples x 6 new
+  tokens) at the smallest vocabulary (64) and prompt length (16) the peer takes, so that it can run beside.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ FLAGFILE = os.path.join(ROOT, "experiments", "grpo_tiny.flags")
 TUNIX_SHAPE = dict(
   layers=4, d_model=256, mlp=1024, heads=8, kv_heads=4, head_dim=32, vocab=512, prompts=8, group=8, new=64, prompt=32
 )
+DEMO_SHAPE = dict(
+  layers=3, d_model=128, mlp=384, heads=4, kv_heads=2, head_dim=32, vocab=64, prompts=16, group=8, new=6, prompt=16
+)
 SHAPES = {
   "tunix": [
     f"--num_layers={TUNIX_SHAPE['layers']}",
@@ -72,22 +77,32 @@ SHAPES = {
     "--temperature=0.9",
   ],
   "default": [],
+  # The embedded default's model (the demo preset: 3 layers, d_model 128, MLP 384, 4 query / 2 KV heads
+  # of 32) and batch (16 prompts x 8 samples x 6 new tokens) at the smallest vocabulary (64) and prompt
+  # length (16) the peer takes; everything else as in experiments/grpo_tiny.flags.
+  "demo": [f"--prompt_buckets={DEMO_SHAPE['prompt']}", f"--vocab_size={DEMO_SHAPE['vocab']}"],
 }
-PEER_FLAGS = {
-  "tunix": [
-    f"--layers={TUNIX_SHAPE['layers']}",
-    f"--d_model={TUNIX_SHAPE['d_model']}",
-    f"--mlp={TUNIX_SHAPE['mlp']}",
-    f"--heads={TUNIX_SHAPE['heads']}",
-    f"--kv_heads={TUNIX_SHAPE['kv_heads']}",
-    f"--head_dim={TUNIX_SHAPE['head_dim']}",
-    f"--vocab={TUNIX_SHAPE['vocab']}",
-    f"--prompts={TUNIX_SHAPE['prompts']}",
-    f"--group={TUNIX_SHAPE['group']}",
-    f"--max_new_tokens={TUNIX_SHAPE['new']}",
-    f"--max_prompt_len={TUNIX_SHAPE['prompt']}",
-  ],
-}
+
+
+def _peer_flags(shape: dict, *extra: str) -> list[str]:
+  return [
+    f"--layers={shape['layers']}",
+    f"--d_model={shape['d_model']}",
+    f"--mlp={shape['mlp']}",
+    f"--heads={shape['heads']}",
+    f"--kv_heads={shape['kv_heads']}",
+    f"--head_dim={shape['head_dim']}",
+    f"--vocab={shape['vocab']}",
+    f"--prompts={shape['prompts']}",
+    f"--group={shape['group']}",
+    f"--max_new_tokens={shape['new']}",
+    f"--max_prompt_len={shape['prompt']}",
+    *extra,
+  ]
+
+
+PEER_FLAGS = {"tunix": _peer_flags(TUNIX_SHAPE), "demo": _peer_flags(DEMO_SHAPE, "--temperature=1.0")}
+PEER_VOCAB = {"tunix": TUNIX_SHAPE["vocab"], "demo": DEMO_SHAPE["vocab"]}
 
 
 def measure(flags: Sequence[str], steps: int) -> dict:
@@ -183,7 +198,7 @@ def run(args: argparse.Namespace, extra: Sequence[str]) -> dict:
         # The peer's own tokenizer (its script saves it under $PEER_HOME): the same vocabulary, so the
         # sampler draws from as many ids as the peer's and stops at EOS as rarely.
         home = os.environ.get("PEER_HOME", os.path.join(tempfile.gettempdir(), "mimo-peers"))
-        model = os.path.join(home, "tunix-work", f"arith_bpe_{TUNIX_SHAPE['vocab']}.model")
+        model = os.path.join(home, "tunix-work", f"arith_bpe_{PEER_VOCAB[args.shape]}.model")
         if os.path.isfile(model):
           extra = [*extra, f"--tokenizer_path={model}"]
     m = _child(args.shape, args.steps, extra)
