@@ -37,10 +37,8 @@ browser:
 
 # --capture=sys: Python output is captured per test as usual, but what C++ writes to the process's
 # stderr (XLA's fatal errors and its stuck-collective warnings) reaches the log even if the process aborts.
-# -n 2 --dist loadfile: two worker processes, each taking whole test files (module fixtures stay shared);
-# one compiles (single-threaded) while the other runs, and many tests wait on their own subprocesses.
 test: $(STAMP) $(TPU_STAMP) browser
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 --capture=sys
+	$(PY) -m pytest -q --durations=25 --capture=sys
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -32,7 +32,6 @@ EXTRAS = {
   "wandb": ["wandb==0.30.0"],
   "test": [
     "pytest>=8",
-    "pytest-xdist==3.8.0",  # make test runs two worker processes (-n 2)
     "ruff>=0.6",
     # Oracles for tests and conversion: transformers on CPU torch (pin the CPU wheel).
     "torch==2.13.0",
