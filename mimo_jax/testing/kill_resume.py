@@ -44,7 +44,9 @@ from mimo_jax.launch import process_env
 
 # Wall-clock measurements differ between any two runs; everything else must not.
 # Wall-clock measurements (and what is made of them): they differ between any two runs.
-VOLATILE_PREFIXES = ("time_", "rollout_share", "device_s_", "mem_")
+# Observations of timing and memory, not results: two runs of the same configuration may differ
+# there (``queue_len``: batches an async producer had ready when the step was logged).
+VOLATILE_PREFIXES = ("time_", "rollout_share", "device_s_", "mem_", "queue_len")
 KINDS = ("mid_save", "logged", "committed")
 _TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 _RESUMED = re.compile(r"resumed from (sft|rl) step (\d+)")
