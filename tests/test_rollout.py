@@ -128,6 +128,40 @@ def test_per_layer_cache_decode_step_equals_the_stacked_one(model):
     assert int(new.index) == int(ref_cache.index) == 9
 
 
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_prefill_cache_equals_writing_the_prompt_through_a_cache(model, per_layer):
+  """Decoder.prefill (attention over the prompt alone) + KVCache.from_prompt (fanned out,
+  optionally per layer) against the prompt run through an empty cache and repeated:
+  same hidden states, keys, values, valid slots and next index."""
+  cfg = model.config
+  tokens, mask = left_pad(PROMPTS, 8, 0)
+  tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+  positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+  ref_hidden, ref = model.hidden(tokens, attention_mask=mask, positions=positions, cache=KVCache.init(cfg, 4, 12))
+  hidden, (k, v) = model.decoder.prefill(tokens, positions, mask)
+  assert k.shape == v.shape == (cfg.num_layers, 4, 8, cfg.num_kv_heads, cfg.resolved_head_dim)
+  assert hidden.shape == (4, 1, cfg.d_model)  # only the last position, the one unembedded
+  np.testing.assert_allclose(hidden[:, 0], ref_hidden[:, -1], atol=1e-5)
+  cache = KVCache.from_prompt(k, v, mask, 12, repeats=3, per_layer=per_layer)
+  assert cache.is_per_layer == per_layer and int(cache.index) == int(ref.index) == 8
+  np.testing.assert_array_equal(cache.valid, jnp.repeat(ref.valid, 3, axis=0))
+  got_k, got_v = (jnp.stack(cache.k), jnp.stack(cache.v)) if per_layer else (cache.k, cache.v)
+  valid = np.asarray(cache.valid)  # [B, S]; keys are [L, B, K, H, S], values [L, B, K, S, H]
+  np.testing.assert_allclose(
+    np.where(valid[None, :, None, None], got_k, 0),
+    np.where(valid[None, :, None, None], jnp.repeat(ref.k, 3, 1), 0),
+    atol=1e-5,
+  )
+  np.testing.assert_allclose(
+    np.where(valid[None, :, None, :, None], got_v, 0),
+    np.where(valid[None, :, None, :, None], jnp.repeat(ref.v, 3, 1), 0),
+    atol=1e-5,
+  )
+  assert not np.asarray(got_k)[..., 8:].any() and not np.asarray(got_v)[..., 8:, :].any()  # empty slots
+  with pytest.raises(ValueError, match="cannot hold a prompt of 8 tokens"):
+    KVCache.from_prompt(k, v, mask, 7)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_single_query_attention_equals_the_batched_form(dtype):
   """The CPU decode step's multiply-reduce attention against the batched-dot form the
@@ -150,7 +184,8 @@ def test_single_query_attention_equals_the_batched_form(dtype):
   scores = jnp.where(mask[:, None, None, None, :], scores, _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
   ref = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)[:, 0]
-  out = _single_query_attention(q, k, v, mask, dtype)
+  # The decode step reads the cache's layout: keys [B, K, H, S], values [B, K, S, H].
+  out = _single_query_attention(q, jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 1, 3)), mask, dtype)
   assert out.dtype == dtype
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)

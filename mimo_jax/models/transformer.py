@@ -152,70 +152,89 @@ class Attention(nnx.Module):
     inv_freq: np.ndarray,
     kv_cache: tuple[jax.Array, jax.Array] | None = None,
     cache_index: jax.Array | None = None,
+    queries: int | None = None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Args: x [B,T,D]; positions [B,T]; mask [B,T,S] (True = attend); optional cache
-    (k, v) each [B,S,K,H] and the slot where this call's T tokens are written.
+    (k ``[B,K,H,S]``, v ``[B,K,S,H]``: the :class:`KVCache` layout) and the slot where this
+    call's T tokens are written.
 
-    Returns: output [B,T,D] and the updated cache (or None).
+    ``queries`` (no cache): only the last ``queries`` positions attend (``mask`` then has
+    that many rows); keys and values still cover all T.
+
+    Returns: output [B,T,D] (or [B,queries,D]) and the updated cache; without a cache, this
+    call's keys and values ``[B,T,K,H]`` (after RoPE; a prefill writes them into a fresh cache).
     """
     dt = self.dtype
     x = x_btd.astype(dt)
-    q = project(x, self.w_q_dnh[...].astype(dt))
+    if queries is not None and kv_cache is not None:
+      raise ValueError("queries= is for a call without a cache (a prefill's last layer)")
+    x_q, positions_q = (x, positions_bt) if queries is None else (x[:, -queries:], positions_bt[:, -queries:])
+    q = project(x_q, self.w_q_dnh[...].astype(dt))
     k = project(x, self.w_k_dkh[...].astype(dt))
     v = project(x, self.w_v_dkh[...].astype(dt))
     if self.b_q_nh is not None:
       q = q + self.b_q_nh[...].astype(dt)
       k = k + self.b_k_kh[...].astype(dt)
       v = v + self.b_v_kh[...].astype(dt)
-    q = constrain(apply_rope(q, positions_bt, inv_freq), ("batch", "seq", "heads", "head_dim"))
+    q = constrain(apply_rope(q, positions_q, inv_freq), ("batch", "seq", "heads", "head_dim"))
     k = constrain(apply_rope(k, positions_bt, inv_freq), ("batch", "seq", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-
-    if kv_cache is not None:
-      k_cache, v_cache = kv_cache
-      zero = jnp.zeros((), jnp.int32)
-      k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (zero, cache_index, zero, zero))
-      v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (zero, cache_index, zero, zero))
-      k, v = k_cache.astype(dt), v_cache.astype(dt)
-      new_cache = (k_cache, v_cache)
-    else:
-      new_cache = None
 
     B, T, N, H = q.shape
     K = self.num_kv_heads
     # [B, T, K, G, H]: queries grouped by the KV head they share.
     q = q.reshape(B, T, K, N // K, H)
-    if T == 1 and kv_cache is not None and jax.default_backend() == "cpu":
-      out = _single_query_attention(q[:, 0], k, v, mask_bts[:, 0], dt).reshape(B, T, N, H)
+    if kv_cache is None:
+      new_cache = (k, v)  # unused (and dead code to XLA) except by a prefill
+      out = _attend(q, k, v, mask_bts, "BSKH", "BSKH", dt)
     else:
-      scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-      scores = scores / np.sqrt(H).astype(np.float32)
-      scores = jnp.where(mask_bts[:, None, None, :, :], scores, _MASK_VALUE)
-      probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-      out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, T, N, H)
-    out = constrain(out, ("batch", "seq", "heads", "head_dim"))
+      k_cache, v_cache = kv_cache
+      zero = jnp.zeros((), jnp.int32)
+      k_new = jnp.transpose(k, (0, 2, 3, 1)).astype(k_cache.dtype)  # [B, K, H, T]
+      v_new = jnp.transpose(v, (0, 2, 1, 3)).astype(v_cache.dtype)  # [B, K, T, H]
+      k_cache = jax.lax.dynamic_update_slice(k_cache, k_new, (zero, zero, zero, cache_index))
+      v_cache = jax.lax.dynamic_update_slice(v_cache, v_new, (zero, zero, cache_index, zero))
+      new_cache = (k_cache, v_cache)
+      k, v = k_cache.astype(dt), v_cache.astype(dt)
+      if T == 1 and jax.default_backend() == "cpu":
+        out = _single_query_attention(q[:, 0], k, v, mask_bts[:, 0], dt)[:, None]
+      else:
+        out = _attend(q, k, v, mask_bts, "BKHS", "BKSH", dt)
+    out = constrain(out.reshape(B, T, N, H), ("batch", "seq", "heads", "head_dim"))
     y = project(out, self.w_o_nhd[...].astype(dt), contract=2)
     if self.b_o_d is not None:
       y = y + self.b_o_d[...].astype(dt)
     return y, new_cache
 
 
-def _single_query_attention(q_bkgh, k_bskh, v_bskh, mask_bs, dt):
+def _attend(q_btkgh, k, v, mask_bts, k_spec: str, v_spec: str, dt) -> jax.Array:
+  """Masked softmax attention as two batched products (``k_spec`` / ``v_spec`` name the
+  key and value layouts in einsum letters); scores and softmax in float32, the
+  probabilities rounded to the compute dtype.  Returns ``[B, T, K, G, H]``."""
+  scores = jnp.einsum(f"BTKGH,{k_spec}->BKGTS", q_btkgh, k, preferred_element_type=jnp.float32)
+  scores = scores / np.sqrt(q_btkgh.shape[-1]).astype(np.float32)
+  scores = jnp.where(mask_bts[:, None, None, :, :], scores, _MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+  return jnp.einsum(f"BKGTS,{v_spec}->BTKGH", probs, v)
+
+
+def _single_query_attention(q_bkgh, k_bkhs, v_bksh, mask_bs, dt):
   """Attention of one query per row (a CPU decode step) as two multiply-reduce fusions.
 
-  Reads the cache in its ``[B, S, K, H]`` layout: as batched dots, the two contractions
-  are tiny matrix products per (row, KV head) that need the cache transposed first,
-  which on CPU cost more than the arithmetic.  The precision is the batched form's: inputs
-  in the compute dtype, products summed in float32, the probabilities rounded to the compute
-  dtype, so the sampler's log-probs match the learner's forward.  Returns ``[B, K, G, H]``
-  in ``dt``.  (Accelerators keep the batched form: there the products are matrix-unit work.)
+  In the cache's layout both reductions run over a middle axis with a contiguous minor
+  one (S for the scores, H for the output), which XLA:CPU vectorises well; as batched
+  dots the products are tiny matrices per (row, KV head), which cost more than the
+  arithmetic on CPU.  The precision is the batched form's: inputs in the compute dtype,
+  products summed in float32, the probabilities rounded to the compute dtype, so the
+  sampler's log-probs match the learner's forward.  Returns ``[B, K, G, H]`` in ``dt``.
+  (Accelerators keep the batched form: there the products are matrix-unit work.)
   """
   f32 = jnp.float32  # q, k and v arrive in the compute dtype
-  scores = jnp.sum(q_bkgh.astype(f32)[:, None] * k_bskh.astype(f32)[:, :, :, None, :], axis=-1)  # [B, S, K, G]
+  scores = jnp.sum(q_bkgh.astype(f32)[..., None] * k_bkhs.astype(f32)[:, :, None], axis=3)  # [B, K, G, S]
   scores = scores / np.sqrt(q_bkgh.shape[-1]).astype(np.float32)
-  scores = jnp.where(mask_bs[:, :, None, None], scores, _MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=1).astype(dt).astype(f32)
-  return jnp.sum(probs[..., None] * v_bskh.astype(f32)[:, :, :, None, :], axis=1).astype(dt)
+  scores = jnp.where(mask_bs[:, None, None, :], scores, _MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt).astype(f32)
+  return jnp.sum(probs[..., None] * v_bksh.astype(f32)[:, :, None], axis=3).astype(dt)
 
 
 class MLP(nnx.Module):
@@ -256,8 +275,11 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, param_dtype=param_dtype)
     self.mlp = MLP(cfg.d_model, cfg.mlp_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, positions, mask, inv_freq, kv_cache=None, cache_index=None):
-    h, new_cache = self.attn(self.attn_norm(x), positions, mask, inv_freq, kv_cache, cache_index)
+  def __call__(self, x, positions, mask, inv_freq, kv_cache=None, cache_index=None, queries=None):
+    """``queries``: only the last that many positions come out (see :class:`Attention`)."""
+    h, new_cache = self.attn(self.attn_norm(x), positions, mask, inv_freq, kv_cache, cache_index, queries)
+    if queries is not None:
+      x = x[:, -queries:]
     x = constrain(x + h.astype(x.dtype), ("batch", "seq", "act_embed"))
     x = x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
     return constrain(x, ("batch", "seq", "act_embed")), new_cache
@@ -272,10 +294,14 @@ class Block(nnx.Module):
 class KVCache:
   """Preallocated key/value cache for all layers.
 
+  Keys are stored with the slot axis last and values heads-major, so one query's
+  attention reduces over a middle axis with a contiguous minor one in both products, and
+  a batched product finds its batch axes (row, KV head) leading.
+
   Attributes:
-    k: ``[L, B, S, K, H]`` keys (compute dtype), or a tuple of ``L`` per-layer
-      ``[B, S, K, H]`` arrays (see :meth:`per_layer`).
-    v: values, laid out like ``k``.
+    k: ``[L, B, K, H, S]`` keys (compute dtype), or a tuple of ``L`` per-layer
+      ``[B, K, H, S]`` arrays (see :meth:`per_layer`).
+    v: ``[L, B, K, S, H]`` values, or a tuple of ``L`` per-layer ``[B, K, S, H]``.
     valid: ``[B, S]`` bool, which slots hold real (non-padding) tokens.
     index: int32 scalar, the next slot to write (shared by all rows: prompts are
       left-padded to a common length, so every row writes the same slot).
@@ -289,13 +315,56 @@ class KVCache:
   @classmethod
   def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     dtype = jnp.dtype(dtype or cfg.dtype)
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.resolved_head_dim)
+    L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.resolved_head_dim
     return cls(
-      k=jnp.zeros(shape, dtype),
-      v=jnp.zeros(shape, dtype),
+      k=jnp.zeros((L, batch, K, H, max_len), dtype),
+      v=jnp.zeros((L, batch, K, max_len, H), dtype),
       valid=jnp.zeros((batch, max_len), bool),
       index=jnp.zeros((), jnp.int32),
     )
+
+  @classmethod
+  def from_prompt(
+    cls,
+    k_lbtkh: jax.Array,
+    v_lbtkh: jax.Array,
+    mask_bt: jax.Array,
+    max_len: int,
+    *,
+    repeats: int = 1,
+    per_layer: bool = False,
+    dtype=None,
+  ) -> KVCache:
+    """The cache after a prefill (:meth:`Decoder.prefill`): the prompt's keys and values in
+    slots ``[0, T)``, empty slots up to ``max_len``, the next write at slot ``T``.
+
+    ``repeats`` fans every row out to that many contiguous rows (the samples of a prompt
+    share its prefill); ``per_layer`` gives the decode loop's form (:meth:`per_layer`).
+    Padding, fan-out and the per-layer split are one expression per buffer, so XLA writes
+    each buffer once.
+    """
+    T = k_lbtkh.shape[2]
+    if max_len < T:
+      raise ValueError(f"a cache of {max_len} slots cannot hold a prompt of {T} tokens")
+    dtype = jnp.dtype(dtype or k_lbtkh.dtype)
+
+    def build(x, perm):  # [B, T, K, H] or [L, B, T, K, H] -> the cache layout
+      lead = x.ndim - 4
+      x = jnp.repeat(x.astype(dtype), repeats, axis=lead)
+      x = jnp.transpose(x, tuple(range(lead)) + tuple(lead + i for i in perm))
+      pad = [(0, 0)] * x.ndim
+      pad[lead + perm.index(1)] = (0, max_len - T)
+      return jnp.pad(x, pad)
+
+    k_perm, v_perm = (0, 2, 3, 1), (0, 2, 1, 3)  # [B, K, H, S], [B, K, S, H]
+    if per_layer:
+      L = k_lbtkh.shape[0]
+      k = tuple(build(k_lbtkh[i], k_perm) for i in range(L))
+      v = tuple(build(v_lbtkh[i], v_perm) for i in range(L))
+    else:
+      k, v = build(k_lbtkh, k_perm), build(v_lbtkh, v_perm)
+    valid = jnp.pad(jnp.repeat(mask_bt.astype(bool), repeats, axis=0), ((0, 0), (0, max_len - T)))
+    return cls(k=k, v=v, valid=valid, index=jnp.asarray(T, jnp.int32))
 
   @property
   def max_len(self) -> int:
@@ -306,7 +375,7 @@ class KVCache:
     return isinstance(self.k, tuple)
 
   def per_layer(self) -> KVCache:
-    """The same cache as one ``[B, S, K, H]`` array per layer (the decode loop's form:
+    """The same cache as one array per layer (the decode loop's form:
     each layer's slot write is then in place in its own buffer)."""
     if self.is_per_layer:
       return self
@@ -316,7 +385,8 @@ class KVCache:
     )
 
 
-KV_CACHE_LOGICAL_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+K_CACHE_LOGICAL_AXES = ("layers", "batch", "kv_heads", "head_dim", "cache_seq")
+V_CACHE_LOGICAL_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 
 
 def positions_from_mask(mask_bt: jax.Array) -> jax.Array:
@@ -368,6 +438,52 @@ class Decoder(nnx.Module):
     _, stacked = nnx.split(self.layers)
     return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(self.config.num_layers))
 
+  def _embed(self, tokens_bt: jax.Array) -> jax.Array:
+    # FSDP: gather the table's D dimension before the lookup (it stays vocab-parallel),
+    # so the looked-up rows come out batch-sharded instead of D-sharded.
+    table = constrain(self.embed_vd[...], ("vocab", None))
+    x = jnp.take(table, tokens_bt, axis=0).astype(jnp.dtype(self.config.dtype))
+    return constrain(x, ("batch", "seq", "act_embed"))
+
+  def prefill(
+    self,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    mask_bt: jax.Array,
+  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """The stack over a prompt batch that starts an empty cache.
+
+    Attention is causal over the call's own ``T`` tokens (padding keys masked), not over
+    a cache's ``T + M`` slots, of which the last ``M`` are still empty: half the
+    attention work when ``M = T``, and no cache to zero and then overwrite.  The first
+    ``L - 1`` layers run as a scan (a program that does not grow with depth).  Of the last
+    layer only its keys and values are needed at every position (they come from its
+    input) and its output only at the last one, the only one unembedded: its queries,
+    attention output and MLP run on that position alone (``1 / L`` of the prefill's
+    matmul work, less).
+
+    Returns:
+      The last position's final-normed hidden state ``[B, 1, D]`` and every layer's keys
+      and values, ``[L, B, T, K, H]`` each (for :meth:`KVCache.from_prompt`).
+    """
+    cfg = self.config
+    T = tokens_bt.shape[1]
+    mask = jnp.tril(jnp.ones((T, T), bool))[None] & mask_bt.astype(bool)[:, None, :]
+    graphdef, layer_state = nnx.split(self.layers)
+    inv_freq = rope_inv_freq(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    L = cfg.num_layers
+
+    def body(x, i):
+      state_l = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), layer_state)
+      return nnx.merge(graphdef, state_l)(x, positions_bt, mask, inv_freq)
+
+    x, (ks, vs) = jax.lax.scan(body, self._embed(tokens_bt), jnp.arange(L - 1))
+    last = nnx.merge(graphdef, jax.tree.map(lambda a: a[L - 1], layer_state))
+    x, (k, v) = last(x, positions_bt, mask[:, -1:], inv_freq, queries=1)
+    kv = (jnp.concatenate([ks, k[None]]), jnp.concatenate([vs, v[None]]))
+    return self.final_norm(x), kv
+
   def __call__(
     self,
     tokens_bt: jax.Array,
@@ -391,14 +507,9 @@ class Decoder(nnx.Module):
       Final-normed hidden states ``[B, T, D]`` (compute dtype) and the updated cache.
     """
     cfg = self.config
-    dtype = jnp.dtype(cfg.dtype)
     B, T = tokens_bt.shape
     mask_bt = mask_bt.astype(bool)
-    # FSDP: gather the table's D dimension before the lookup (it stays vocab-parallel),
-    # so the looked-up rows come out batch-sharded instead of D-sharded.
-    table = constrain(self.embed_vd[...], ("vocab", None))
-    x = jnp.take(table, tokens_bt, axis=0).astype(dtype)
-    x = constrain(x, ("batch", "seq", "act_embed"))
+    x = self._embed(tokens_bt)
 
     if cache is None:
       # [B, T, S=T]: causal within the call, padding keys masked.

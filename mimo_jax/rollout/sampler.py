@@ -2,15 +2,17 @@
 
 One ``generate`` call is one jitted function of ``(params, prompts, temperatures, key)``:
 
-1. **Prefill** the ``Np`` left-padded prompts ``[Np, P]`` once into a cache of
-   ``P + M`` slots (``M`` = the static completion buffer).
-2. **Fan out** the cache and the last-position logits to ``G`` samples per prompt
-   (``B = Np * G`` rows; the samples of a prompt are contiguous).
+1. **Prefill** the ``Np`` left-padded prompts ``[Np, P]`` once (attention over the
+   prompt's own tokens).
+2. **Fan out** its keys and values into a cache of ``P + M`` slots for ``G`` samples
+   per prompt (``M`` = the static completion buffer; ``B = Np * G`` rows, the samples of
+   a prompt contiguous), and the last-position logits likewise.
 3. **Decode** in a ``lax.while_loop`` over a fixed ``[B, M]`` token buffer with a
-   ``done`` mask; the loop exits early once every row has stopped.  By default the
-   loop carries one cache buffer per layer and reads per-layer weights sliced once
-   before it (``unrolled_decode``): a step then writes its cache slots in place and
-   copies no weights, at the price of a decode program that grows with depth.
+   ``done`` mask; the loop exits early once every row has stopped.  The first token
+   comes from the prefill's logits, so no forward runs after the last token.  By
+   default the loop carries one cache buffer per layer and reads per-layer weights
+   sliced once before it (``unrolled_decode``): a step then writes its cache slots in
+   place and copies no weights, at the price of a decode program that grows with depth.
 
 Shapes are static per (prompt bucket ``P``, ``Np``, ``G``, ``M``): after warm-up, a new
 batch in a seen bucket compiles nothing.  Parameters are the live training state
@@ -32,7 +34,13 @@ from jax.sharding import Mesh, NamedSharding
 
 from mimo_jax import sharding
 from mimo_jax.models.logprobs import completion_logprobs
-from mimo_jax.models.transformer import KV_CACHE_LOGICAL_AXES, KVCache, Transformer, positions_from_mask
+from mimo_jax.models.transformer import (
+  K_CACHE_LOGICAL_AXES,
+  V_CACHE_LOGICAL_AXES,
+  KVCache,
+  Transformer,
+  positions_from_mask,
+)
 from mimo_jax.rollout.sampling import SamplingParams, row_keys, sample_tokens
 
 FINISH_STOP = 0
@@ -179,47 +187,36 @@ class Sampler:
     stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
 
     with self._rules_ctx():
-      # ---- prefill (once per prompt)
+      # ---- prefill (once per prompt; the scanned stack, whose program does not grow with depth)
       positions = positions_from_mask(prompt_mask)
-      cache = _constrain_cache(KVCache.init(self.config, Np, P + M, self.cache_dtype))
-      # The prefill runs the scanned stack (its program does not grow with depth).
-      hidden, cache = model.hidden(prompt_tokens, attention_mask=prompt_mask, positions=positions, cache=cache)
-      layers = None
-      if self.unrolled_decode:
-        # One copy of the layer weights for the whole call, read in place by every decode step.
-        layers = model.decoder.layer_states()
-        cache = cache.per_layer()
+      hidden, (k, v) = model.decoder.prefill(prompt_tokens, positions, prompt_mask)
+      # ---- fan out to G samples per prompt: the cache is built fanned out (and, for the
+      # unrolled decode, split per layer) in one write per buffer.
+      cache = _constrain_cache(
+        KVCache.from_prompt(
+          k, v, prompt_mask, P + M, repeats=G, per_layer=self.unrolled_decode, dtype=self.cache_dtype or k.dtype
+        )
+      )
+      # One copy of the layer weights for the whole call, read in place by every decode step.
+      layers = model.decoder.layer_states() if self.unrolled_decode else None
       # Left padding: the last slot is the last real token. Unembed only that position
       # (the full [Np, P, V] logits would cost P times the head's FLOPs for nothing).
       last_logits = model.logits_from_hidden(hidden[:, -1:])[:, 0]
 
-      # ---- fan out to G samples per prompt
       def fan(x):
         return jnp.repeat(x, G, axis=0)
 
-      batch_axis = 0 if cache.is_per_layer else 1
-      cache = KVCache(
-        k=jax.tree.map(lambda k: jnp.repeat(k, G, axis=batch_axis), cache.k),
-        v=jax.tree.map(lambda v: jnp.repeat(v, G, axis=batch_axis), cache.v),
-        valid=fan(cache.valid),
-        index=cache.index,
-      )
-      cache = _constrain_cache(cache)
       cur_logits = sharding.constrain(fan(last_logits), ("batch", "vocab"))
       next_pos = fan(jnp.sum(prompt_mask, axis=1).astype(jnp.int32))
       keys = row_keys(key, B)
       limit = jnp.minimum(max_new_tokens, M)
 
-      # ---- decode loop
-      def cond(c):
-        t, done = c[0], c[4]
-        return (t < limit) & ~jnp.all(done)
-
-      def body(c):
-        t, cache, cur_logits, next_pos, done, tokens, logps, slogps, stopped = c
+      # ---- decode: token 0 is sampled from the prefill's logits; each loop step runs the
+      # model on the last token and samples the next, so no forward runs after the last one.
+      def sample(t, logits, done, tokens, logps, slogps, stopped):
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, t)
         tok, lp, slp = sample_tokens(
-          cur_logits,
+          logits,
           step_keys,
           temperature,
           top_k=sampling.top_k,
@@ -232,8 +229,14 @@ class Sampler:
         logps = logps.at[:, t].set(jnp.where(active, lp, 0.0))
         slogps = slogps.at[:, t].set(jnp.where(active, slp, 0.0))
         hit_stop = active & jnp.any(tok[:, None] == stop_ids[None, :], axis=1)
-        stopped = stopped | hit_stop
-        done = done | hit_stop
+        return tok, active, done | hit_stop, tokens, logps, slogps, stopped | hit_stop
+
+      def cond(c):
+        t, done = c[0], c[5]
+        return (t < limit) & ~jnp.all(done)
+
+      def body(c):
+        t, cache, tok, active, next_pos, done, tokens, logps, slogps, stopped = c
         logits, cache = model(
           tok[:, None],
           attention_mask=active[:, None],
@@ -241,21 +244,23 @@ class Sampler:
           cache=_constrain_cache(cache),
           layers=layers,
         )
-        cur_logits = sharding.constrain(logits[:, 0], ("batch", "vocab"))
-        return (t + 1, cache, cur_logits, next_pos + 1, done, tokens, logps, slogps, stopped)
+        logits = sharding.constrain(logits[:, 0], ("batch", "vocab"))
+        tok, active, done, tokens, logps, slogps, stopped = sample(t, logits, done, tokens, logps, slogps, stopped)
+        return (t + 1, cache, tok, active, next_pos + 1, done, tokens, logps, slogps, stopped)
 
-      init = (
+      # A limit of 0 samples nothing: every row starts done.
+      first = sample(
         jnp.zeros((), jnp.int32),
-        cache,
         cur_logits,
-        next_pos,
-        jnp.zeros((B,), bool),
+        jnp.broadcast_to(limit <= 0, (B,)),
         jnp.full((B, M), sampling.pad_id, jnp.int32),
         jnp.zeros((B, M), jnp.float32),
         jnp.zeros((B, M), jnp.float32),
         jnp.zeros((B,), bool),
       )
-      t_end, _, _, _, _, tokens, logps, slogps, stopped = jax.lax.while_loop(cond, body, init)
+      tok, active, done, tokens, logps, slogps, stopped = first
+      init = (jnp.minimum(limit, 1), cache, tok, active, next_pos, done, tokens, logps, slogps, stopped)
+      t_end, *_, tokens, logps, slogps, stopped = jax.lax.while_loop(cond, body, init)
 
     # Rows still running at the end were cut by the length limit.
     steps = jnp.arange(M)[None, :]
@@ -356,19 +361,13 @@ def _lengths(tokens, stop_ids, stopped, t_end):
 
 def _constrain_cache(cache: KVCache) -> KVCache:
   if cache.is_per_layer:
-    axes = KV_CACHE_LOGICAL_AXES[1:]
-    return KVCache(
-      k=tuple(sharding.constrain(k, axes) for k in cache.k),
-      v=tuple(sharding.constrain(v, axes) for v in cache.v),
-      valid=sharding.constrain(cache.valid, ("batch", "cache_seq")),
-      index=cache.index,
-    )
-  return KVCache(
-    k=sharding.constrain(cache.k, KV_CACHE_LOGICAL_AXES),
-    v=sharding.constrain(cache.v, KV_CACHE_LOGICAL_AXES),
-    valid=sharding.constrain(cache.valid, ("batch", "cache_seq")),
-    index=cache.index,
-  )
+    k_axes, v_axes = K_CACHE_LOGICAL_AXES[1:], V_CACHE_LOGICAL_AXES[1:]
+    k = tuple(sharding.constrain(k, k_axes) for k in cache.k)
+    v = tuple(sharding.constrain(v, v_axes) for v in cache.v)
+  else:
+    k = sharding.constrain(cache.k, K_CACHE_LOGICAL_AXES)
+    v = sharding.constrain(cache.v, V_CACHE_LOGICAL_AXES)
+  return KVCache(k=k, v=v, valid=sharding.constrain(cache.valid, ("batch", "cache_seq")), index=cache.index)
 
 
 # ----------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from mimo_jax.config import Config
 from mimo_jax.config_base import ConfigError
 from mimo_jax.models import Transformer, ValueModel, abstract_state
 from mimo_jax.models.reference import abstract_reference
-from mimo_jax.models.transformer import KV_CACHE_LOGICAL_AXES
+from mimo_jax.models.transformer import K_CACHE_LOGICAL_AXES, V_CACHE_LOGICAL_AXES
 from mimo_jax.optim import TrainState, abstract_opt_state
 from mimo_jax.rollout import Sampler, SamplingParams
 from mimo_jax.topology import Topology, parse_topology, topology_devices
@@ -197,8 +197,11 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
   def nbytes(tree) -> int:
     return per_device_bytes(tree) if tree is not None else 0
 
-  kv_shape = (model_cfg.num_layers, B, P + M, model_cfg.num_kv_heads, model_cfg.resolved_head_dim)
-  kv = _sds(kv_shape, jnp.dtype(model_cfg.dtype), gen_mesh, KV_CACHE_LOGICAL_AXES)
+  L, K, H = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.resolved_head_dim
+  kv = (
+    _sds((L, B, K, H, P + M), jnp.dtype(model_cfg.dtype), gen_mesh, K_CACHE_LOGICAL_AXES),
+    _sds((L, B, K, P + M, H), jnp.dtype(model_cfg.dtype), gen_mesh, V_CACHE_LOGICAL_AXES),
+  )
   # The sampler's weights: the learner's own on a shared mesh, a copy in the generation layout on a
   # rollout sub-mesh (where they are all the rollout devices hold besides the KV cache).
   gen_params = abs_params
@@ -217,7 +220,7 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
     "value_params": nbytes(abs_value_params),
     "value_master": nbytes(value.master) if value is not None else 0,
     "value_optimizer_state": nbytes(value.opt_state) if value is not None else 0,
-    "kv_cache": 2 * nbytes(kv),
+    "kv_cache": nbytes(kv),
   }
   if rollout_mesh is not None:  # on the rollout devices: the KV cache above and this copy of the weights
     storage["rollout_params"] = nbytes(gen_params)
