@@ -42,10 +42,9 @@ import numpy as np
 
 from mimo_jax.launch import process_env
 
-# Wall-clock measurements differ between any two runs; everything else must not.
-# Wall-clock measurements (and what is made of them): they differ between any two runs.
-# Observations of timing and memory, not results: two runs of the same configuration may differ
-# there (``queue_len``: batches an async producer had ready when the step was logged).
+# Observations of wall-clock time and memory (and what is made of them), not results: they differ
+# between any two runs of the same configuration (``queue_len``: the batches an async producer had
+# ready when the step was logged); everything else must not.
 VOLATILE_PREFIXES = ("time_", "rollout_share", "device_s_", "mem_", "queue_len")
 KINDS = ("mid_save", "logged", "committed")
 _TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
