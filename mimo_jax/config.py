@@ -221,6 +221,11 @@ class AlgoConfig:
     "Training log-probs/entropy: the fused streaming kernel (no [tokens, vocab] logits), or full logits.",
     choices=("fused", "full"),
   )
+  share_prompts: bool = field(
+    True,
+    "The learner runs each group's prompt once (its num_samples rows share it) instead of once per row: the "
+    "same log-probs up to float rounding, less work. Off under num_minibatches > 1 (rows are shuffled).",
+  )
   reference_dtype: str = field(
     "",
     "How the frozen reference is stored: '' (like the policy), float32, bfloat16, or int8 (weight-only, one "

@@ -320,6 +320,17 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, named_sharding(ctx.mesh, logical_axes, ctx.rules, x.shape))
 
 
+def splits_alike(logical_axis: str, *sizes: int, mesh: Mesh | None = None, rules: Rules | None = None) -> bool:
+  """Whether dimensions of these sizes named ``logical_axis`` split over the same mesh axes (the
+  active :func:`use_rules`, or ``mesh`` and ``rules``; True without either)."""
+  ctx = _CONTEXT.get()
+  if mesh is None and ctx is not None:
+    mesh, rules = ctx.mesh, ctx.rules
+  if mesh is None:
+    return True
+  return len({logical_to_spec((logical_axis,), rules or TRAIN_RULES, mesh, (n,))[0] for n in sizes}) == 1
+
+
 def kernel_layout(rows: int, vocab: int) -> tuple[Mesh, str | None, tuple[str, ...]] | None:
   """How a per-token vocabulary kernel splits under the active rules: ``(mesh, vocab_axis, row_axes)``.
 

@@ -47,6 +47,46 @@ def test_the_counts_equal_a_token_by_token_count():
   assert fc.score(prompts, completions) == brute_score
 
 
+def test_a_shared_prompt_is_counted_once_per_group():
+  """The sampler prefills a prompt once for its group, and with --share_prompts the learner runs it once and
+  each completion after it, less the last token: a token-by-token count of that work."""
+  fc = FlopCounter.of(tiny())
+  logits = 2 * 64 * 256
+
+  def one_query(keys: int) -> int:
+    return fc.per_token + 4 * 2 * 4 * 16 * keys
+
+  prompts, completions = [5, 5, 5, 2, 2, 2], [3, 1, 0, 0, 0, 0]
+  brute_gen = brute_score = 0
+  for g in range(2):
+    p, cs = prompts[3 * g], completions[3 * g : 3 * g + 3]
+    brute_gen += sum(one_query(t) for t in range(1, p + 1)) + (logits if max(cs) > 0 else 0)
+    brute_score += sum(one_query(t) for t in range(1, p + 1))
+    for c in cs:
+      brute_gen += sum(one_query(p + j) + logits for j in range(1, c))
+      brute_score += sum(one_query(p + j) for j in range(1, c)) + c * logits
+  assert fc.generate(prompts, completions, group=3) == brute_gen
+  assert fc.score(prompts, completions, group=3) == brute_score
+  assert fc.score(prompts, completions, group=3) < fc.score(prompts, completions)
+  ledger = Ledger(
+    fc,
+    use_reference=True,
+    use_value=False,
+    epochs=1,
+    remat_full=False,
+    rollout_devices=1,
+    learner_devices=1,
+    sample_group=3,
+    score_group=3,
+    update_group=1,
+  )
+  m = ledger.step(prompts, completions)
+  assert m["flops_generate"] == brute_gen and m["flops_score"] == m["flops_reference"] == brute_score
+  assert m["flops_learn"] == 3 * fc.score(prompts, completions)  # a shuffled update runs every row's prompt
+  with pytest.raises(ValueError, match="groups of 4"):
+    fc.score(prompts, completions, group=4)
+
+
 def test_a_step_adds_up_the_phases_and_the_totals_survive_a_checkpoint():
   fc = FlopCounter.of(tiny())
   kw = dict(epochs=2, rollout_devices=2, learner_devices=6)

@@ -549,6 +549,67 @@ def test_micro_batched_scoring_equals_one_pass():
   assert float(jnp.max(jnp.abs(one[0]))) > 0  # real log-probs, not zeros
 
 
+def test_shared_prompts_give_the_per_row_log_probs_and_update_with_less_work():
+  """--share_prompts: a group's prompt runs once (Decoder.with_prompt). On a real rollout (4 prompts of
+  different lengths, left-padded, x 4 samples, stops at different lengths) the score pass and the update
+  (micro-batched, and on a data x fsdp x tensor mesh with the fused kernel) equal the per-row forward, and
+  the compiled score pass counts far fewer FLOPs."""
+  import dataclasses
+
+  from mimo_jax.models.logprobs import shares_prompts
+  from mimo_jax.train.learner import prompt_groups
+
+  cfg = tiny()
+  single = Transformer(cfg, rngs=nnx.Rngs(3))
+  out, batch = _rollout_batch(single, seed=3)
+  B, P = out.prompt_tokens.shape
+  # Completions that stopped at different lengths (a stop token is rare for a random model).
+  ends = np.random.default_rng(3).integers(1, out.completion_tokens.shape[1] + 1, B)
+  mask = jnp.asarray(np.arange(out.completion_tokens.shape[1])[None] < ends[:, None]) & out.completion_mask
+  out, batch = out.replace(completion_mask=mask), batch.replace(completion_mask=mask)
+  # The premise, as the sampler lays rows out: a group's rows are contiguous, with equal prompts.
+  for x in (out.prompt_tokens, out.prompt_mask):
+    x = np.asarray(x).reshape(4, 4, P)
+    assert (x == x[:, :1]).all()
+  assert len({int(n) for n in np.asarray(out.prompt_mask).sum(axis=1)}) > 1  # different prompt lengths
+  assert len({int(n) for n in np.asarray(mask).sum(axis=1)}) > 1  # and completion lengths
+  graphdef, params = nnx.split(single)
+  seqs = SequenceBatch(out.prompt_tokens, out.prompt_mask, out.completion_tokens, out.completion_mask)
+  temps = out.temperature * jnp.linspace(0.7, 1.3, B)
+  for impl in ("full", "fused"):
+    per_row = make_score_fn(graphdef, None, use_reference=True, logprob_impl=impl)
+    shared = make_score_fn(graphdef, None, use_reference=True, logprob_impl=impl, prompt_group=4)
+    for a, b in zip(per_row(params, params, seqs, temps), shared(params, params, seqs, temps), strict=True):
+      np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5)
+    flops = [f.lower(params, params, seqs, temps).cost_analysis()["flops"] for f in (per_row, shared)]
+    assert flops[1] < 0.7 * flops[0], flops  # 4 x 8 + 16 x 5 positions instead of 16 x 14
+
+  linear = sgd(1.0)
+  ref_state, ref_m = make_update_fn(None, UpdateSettings(logprob_impl="full"))(_state(single, tx=linear), batch, COEFS)
+  mesh = build_mesh(MeshConfig(2, 2, 2))
+  runs = {
+    "micro-batched": (None, UpdateSettings(logprob_impl="full", prompt_group=4, grad_accum=2)),
+    "mesh": (mesh, UpdateSettings(logprob_impl="fused", prompt_group=4)),
+  }
+  for name, (m, settings) in runs.items():
+    state0 = _state(create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(3)), m), tx=linear)
+    state, metrics = make_update_fn(m, settings)(state0, batch, COEFS)
+    for k in ("loss", "pg_loss", "kl_loss", "entropy"):
+      np.testing.assert_allclose(metrics[k], ref_m[k], rtol=1e-4, atol=1e-6, err_msg=f"{name}: {k}")
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), state.params, ref_state.params)
+
+  # A group stays on one batch shard, or the prompts are not shared: 4 groups do not split over 8 data shards.
+  assert shares_prompts(16, 6, 4, mesh=mesh) and not shares_prompts(16, 6, 4, mesh=build_mesh(MeshConfig(8, 1, 1)))
+  assert not shares_prompts(16, 1, 4) and not shares_prompts(18, 6, 4) and shares_prompts(16, 6, 4)
+
+  # Which passes share, from the flags: the shipped default shares both; a row shuffle keeps the update per row.
+  c = Config()
+  assert prompt_groups(c) == (c.rollout.num_samples, c.rollout.num_samples) and c.rollout.num_samples > 1
+  with_algo = lambda **kw: dataclasses.replace(c, algo=dataclasses.replace(c.algo, **kw))  # noqa: E731
+  assert prompt_groups(with_algo(num_minibatches=2)) == (c.rollout.num_samples, 1)
+  assert prompt_groups(with_algo(share_prompts=False)) == (1, 1)
+
+
 def test_the_samplers_behaviour_logprobs_stand_in_for_the_learners_behaviour_pass(tmp_path):
   """--behaviour_logprobs=sampler (what auto picks in synchronous runs): one forward pass fewer, the same update."""
   import dataclasses

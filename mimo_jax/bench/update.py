@@ -45,7 +45,8 @@ def _experience(rows: int, prompt_len: int, completion_len: int, vocab: int, see
   completion_mask = np.arange(completion_len)[None, :] < lengths[:, None]
   f32 = np.float32
   return Experience(
-    prompt_tokens=jnp.asarray(rng.integers(4, vocab, (rows, prompt_len)), jnp.int32),
+    # A group's rows share their prompt, as the sampler lays them out (the learner runs it once).
+    prompt_tokens=jnp.asarray(np.repeat(rng.integers(4, vocab, (rows // GROUP, prompt_len)), GROUP, axis=0), jnp.int32),
     prompt_mask=jnp.ones((rows, prompt_len), bool),
     completion_tokens=jnp.asarray(rng.integers(4, vocab, (rows, completion_len)), jnp.int32),
     completion_mask=jnp.asarray(completion_mask),

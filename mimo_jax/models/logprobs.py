@@ -17,24 +17,59 @@ from mimo_jax import sharding
 from mimo_jax.models.transformer import Transformer, positions_from_mask
 
 
-def _completion_hidden(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask):
-  """Final hidden states ``[B, M, D]`` at the positions that predict the completion tokens."""
-  P, M = prompt_tokens.shape[1], completion_tokens.shape[1]
-  tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
+def shares_prompts(rows: int, completion_len: int, prompt_group: int, *, mesh=None, rules=None) -> bool:
+  """Whether a ``rows``-row batch is run with each group's prompt once (see :func:`completion_stats`):
+  the groups divide the rows, there is more than one completion position, and the groups split over
+  the batch shards as the rows do (the active rules', or ``mesh``'s under ``rules``), so that a group
+  stays on one shard."""
+  if prompt_group <= 1 or rows % prompt_group or completion_len < 2:
+    return False
+  return sharding.splits_alike("batch", rows, rows // prompt_group, mesh=mesh, rules=rules)
+
+
+def completion_hidden(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, prompt_group: int = 1):
+  """Final hidden states ``[B, M, D]`` at the positions that predict the completion tokens.
+
+  ``prompt_group`` > 1: every run of that many contiguous rows shares one prompt (a GRPO
+  group), and the stack runs each prompt once (:meth:`Decoder.with_prompt`): the last prompt
+  position (which predicts completion token 0) comes from the prompt's pass, the rest from
+  the completions' pass over their first ``M - 1`` tokens (the last one predicts nothing).
+  """
+  B, P = prompt_tokens.shape
+  M = completion_tokens.shape[1]
   mask = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)
-  hidden, _ = model.hidden(tokens, attention_mask=mask, positions=positions_from_mask(mask))
+  positions = positions_from_mask(mask)
+  if shares_prompts(B, M, prompt_group):
+    R = prompt_group
+
+    def first_of_group(x):  # [B, ...] -> [B / R, ...]; the row split keeps a group on one batch shard
+      return x.reshape((B // R, R) + x.shape[1:])[:, 0]
+
+    hidden_p, hidden_c = model.decoder.with_prompt(
+      first_of_group(prompt_tokens),
+      first_of_group(positions[:, :P]),
+      first_of_group(prompt_mask),
+      completion_tokens[:, : M - 1],
+      positions[:, P : P + M - 1],
+      completion_mask[:, : M - 1],
+    )
+    return jnp.concatenate([jnp.repeat(hidden_p[:, -1:], R, axis=0), hidden_c], axis=1)
+  tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
+  hidden, _ = model.hidden(tokens, attention_mask=mask, positions=positions)
   # Position P-1+t predicts completion token t.
   return hidden[:, P - 1 : P - 1 + M]
 
 
-def _completion_logits(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask):
-  hidden = _completion_hidden(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+def _completion_logits(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, prompt_group=1):
+  hidden = completion_hidden(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, prompt_group)
   return model.logits_from_hidden(hidden).astype(jnp.float32)
 
 
-def _scaled_log_softmax(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature):
+def _scaled_log_softmax(
+  model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature, prompt_group=1
+):
   """``(log softmax(logits / T) [B, M, V], logp of the completion tokens [B, M])``."""
-  logits = _completion_logits(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+  logits = _completion_logits(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, prompt_group)
   temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (logits.shape[0],))
   temp = jnp.where(temp <= 0, 1.0, temp)
   logp_all = jax.nn.log_softmax(logits / temp[:, None, None], axis=-1)
@@ -45,7 +80,7 @@ def _scaled_log_softmax(model, prompt_tokens, prompt_mask, completion_tokens, co
 LOGPROB_IMPLS = ("full", "fused")
 
 
-def _fused_stats(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature):
+def _fused_stats(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature, prompt_group=1):
   """Like :func:`_scaled_log_softmax` + entropy, without the ``[B, M, V]`` logits.
 
   The per-row temperature is folded into the hidden states (``(h / T) @ W == (h @ W) / T``), and
@@ -56,7 +91,7 @@ def _fused_stats(model, prompt_tokens, prompt_mask, completion_tokens, completio
   """
   from mimo_jax.kernels import fused_logprobs as fused
 
-  hidden = _completion_hidden(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+  hidden = completion_hidden(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, prompt_group)
   hidden = hidden.astype(jnp.float32)
   B, M, D = hidden.shape
   temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))
@@ -83,6 +118,7 @@ def completion_stats(
   temperature: jax.Array | float = 1.0,
   *,
   impl: str = "full",
+  prompt_group: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
   """Log-probs and entropies of the completion tokens under ``softmax(logits / T)``.
 
@@ -95,17 +131,24 @@ def completion_stats(
     temperature: scalar or ``[B]``; ``<= 0`` (greedy) is treated as 1.
     impl: ``full`` (materialise ``[B, M, V]`` logits) or ``fused`` (the streaming kernel:
       O(B x M x block) extra memory, gradients computed blockwise).
+    prompt_group: when > 1 (and it divides ``B``), each run of that many contiguous rows has
+      one prompt (their ``prompt_tokens`` and ``prompt_mask`` rows are equal, as in a GRPO
+      group), and the model runs each prompt once: the same values up to the order of float
+      sums, with ``(R - 1) / R`` of the prompt positions' work removed.  Rows that break the
+      premise get their group's first prompt.
 
   Returns:
     ``(logprobs, entropy)``, both float32 ``[B, M]`` and zero where the mask is False.
   """
   if impl == "fused":
-    logp, entropy = _fused_stats(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature)
+    logp, entropy = _fused_stats(
+      model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature, prompt_group
+    )
     return jnp.where(completion_mask, logp, 0.0), jnp.where(completion_mask, entropy, 0.0)
   if impl != "full":
     raise ValueError(f"impl must be one of {LOGPROB_IMPLS}, got {impl!r}")
   logp_all, logp = _scaled_log_softmax(
-    model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature
+    model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature, prompt_group
   )
   entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
   return jnp.where(completion_mask, logp, 0.0), jnp.where(completion_mask, entropy, 0.0)
@@ -118,10 +161,14 @@ def completion_logprobs(
   completion_tokens: jax.Array,
   completion_mask: jax.Array,
   temperature: jax.Array | float = 1.0,
+  *,
+  prompt_group: int = 1,
 ) -> jax.Array:
   """``log softmax(logits / T)`` of each completion token (float32 ``[B, M]``, 0 where masked).
 
   See :func:`completion_stats` for the arguments.
   """
-  _, logp = _scaled_log_softmax(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature)
+  _, logp = _scaled_log_softmax(
+    model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature, prompt_group
+  )
   return jnp.where(completion_mask, logp, 0.0)

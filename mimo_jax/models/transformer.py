@@ -165,25 +165,10 @@ class Attention(nnx.Module):
     call's keys and values ``[B,T,K,H]`` (after RoPE; a prefill writes them into a fresh cache).
     """
     dt = self.dtype
-    x = x_btd.astype(dt)
     if queries is not None and kv_cache is not None:
       raise ValueError("queries= is for a call without a cache (a prefill's last layer)")
-    x_q, positions_q = (x, positions_bt) if queries is None else (x[:, -queries:], positions_bt[:, -queries:])
-    q = project(x_q, self.w_q_dnh[...].astype(dt))
-    k = project(x, self.w_k_dkh[...].astype(dt))
-    v = project(x, self.w_v_dkh[...].astype(dt))
-    if self.b_q_nh is not None:
-      q = q + self.b_q_nh[...].astype(dt)
-      k = k + self.b_k_kh[...].astype(dt)
-      v = v + self.b_v_kh[...].astype(dt)
-    q = constrain(apply_rope(q, positions_q, inv_freq), ("batch", "seq", "heads", "head_dim"))
-    k = constrain(apply_rope(k, positions_bt, inv_freq), ("batch", "seq", "kv_heads", "head_dim"))
-    v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-
-    B, T, N, H = q.shape
-    K = self.num_kv_heads
-    # [B, T, K, G, H]: queries grouped by the KV head they share.
-    q = q.reshape(B, T, K, N // K, H)
+    q, k, v = self._qkv(x_btd, positions_bt, inv_freq, queries)
+    B, T = q.shape[:2]
     if kv_cache is None:
       new_cache = (k, v)  # unused (and dead code to XLA) except by a prefill
       out = _attend(q, k, v, mask_bts, "BSKH", "BSKH", dt)
@@ -200,11 +185,66 @@ class Attention(nnx.Module):
         out = _single_query_attention(q[:, 0], k, v, mask_bts[:, 0], dt)[:, None]
       else:
         out = _attend(q, k, v, mask_bts, "BKHS", "BKSH", dt)
-    out = constrain(out.reshape(B, T, N, H), ("batch", "seq", "heads", "head_dim"))
-    y = project(out, self.w_o_nhd[...].astype(dt), contract=2)
+    return self._output(out), new_cache
+
+  def _qkv(self, x_btd, positions_bt, inv_freq, queries=None):
+    """Queries ``[B, T, K, G, H]`` (grouped by the KV head they share; the last ``queries``
+    positions only, when given), keys and values ``[B, T, K, H]``, RoPE applied."""
+    dt = self.dtype
+    x = x_btd.astype(dt)
+    x_q, positions_q = (x, positions_bt) if queries is None else (x[:, -queries:], positions_bt[:, -queries:])
+    q = project(x_q, self.w_q_dnh[...].astype(dt))
+    k = project(x, self.w_k_dkh[...].astype(dt))
+    v = project(x, self.w_v_dkh[...].astype(dt))
+    if self.b_q_nh is not None:
+      q = q + self.b_q_nh[...].astype(dt)
+      k = k + self.b_k_kh[...].astype(dt)
+      v = v + self.b_v_kh[...].astype(dt)
+    q = constrain(apply_rope(q, positions_q, inv_freq), ("batch", "seq", "heads", "head_dim"))
+    k = constrain(apply_rope(k, positions_bt, inv_freq), ("batch", "seq", "kv_heads", "head_dim"))
+    v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+    B, T, N, H = q.shape
+    return q.reshape(B, T, self.num_kv_heads, N // self.num_kv_heads, H), k, v
+
+  def _output(self, out_btkgh: jax.Array) -> jax.Array:
+    """The output projection of the attention's ``[B, T, K, G, H]`` result."""
+    B, T, K, G, H = out_btkgh.shape
+    out = constrain(out_btkgh.reshape(B, T, K * G, H), ("batch", "seq", "heads", "head_dim"))
+    y = project(out, self.w_o_nhd[...].astype(self.dtype), contract=2)
     if self.b_o_d is not None:
-      y = y + self.b_o_d[...].astype(dt)
-    return y, new_cache
+      y = y + self.b_o_d[...].astype(self.dtype)
+    return y
+
+  def with_prompt(self, x_gsd, positions_gs, prompt_len, mask_gpp, mask_btt, inv_freq):
+    """Attention of ``G`` prompts and the ``B = G x R`` continuations that follow them, each
+    prompt's work done once.
+
+    ``x_gsd`` is ``[G, P + R x T, D]``: group ``g``'s prompt (``P`` positions), then its ``R``
+    continuations of ``T`` tokens each (``positions_gs`` likewise).  The prompt attends causally
+    over itself (``mask_gpp [G, P, P]``); a continuation attends to its prompt's real positions
+    (``mask_gpp``'s last row) and causally over itself (``mask_btt [B, T, T]``), in one softmax:
+    the arithmetic of one call over each continuation concatenated after its prompt, up to the
+    order of float sums.  Returns ``[G, P + R x T, D]``.
+    """
+    dt = self.dtype
+    P = prompt_len
+    q, k, v = self._qkv(x_gsd, positions_gs, inv_freq)
+    G = q.shape[0]
+    B, T = mask_btt.shape[:2]
+    R = B // G
+    _, _, K, Gq, H = q.shape
+    qp, kp, vp = q[:, :P], k[:, :P], v[:, :P]
+    q6 = q[:, P:].reshape(G, R, T, K, Gq, H)
+    ks, vs = k[:, P:].reshape(B, T, K, H), v[:, P:].reshape(B, T, K, H)
+    out_p = _attend(qp, kp, vp, mask_gpp, "BSKH", "BSKH", dt)
+    # A continuation's keys: its prompt's (broadcast over the group; the backward sums them back), then its own.
+    k_cont = jnp.concatenate([jnp.repeat(kp, R, axis=0), ks], axis=1)  # [B, P + T, K, H]
+    v_cont = jnp.concatenate([jnp.repeat(vp, R, axis=0), vs], axis=1)
+    prompt_keys = jnp.repeat(mask_gpp[:, -1:, :], R, axis=0)  # [B, 1, P]: the prompt's real positions
+    mask = jnp.concatenate([jnp.broadcast_to(prompt_keys, (B, T, P)), mask_btt], axis=-1)
+    out_s = _attend(q6.reshape(B, T, K, Gq, H), k_cont, v_cont, mask, "BSKH", "BSKH", dt)
+    out = jnp.concatenate([out_p, out_s.reshape(G, R * T, K, Gq, H)], axis=1)
+    return self._output(out)
 
 
 def _attend(q_btkgh, k, v, mask_bts, k_spec: str, v_spec: str, dt) -> jax.Array:
@@ -283,6 +323,14 @@ class Block(nnx.Module):
     x = constrain(x + h.astype(x.dtype), ("batch", "seq", "act_embed"))
     x = x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
     return constrain(x, ("batch", "seq", "act_embed")), new_cache
+
+  def with_prompt(self, x, positions, prompt_len, mask_pp, mask_ss, inv_freq):
+    """The layer over prompts and their continuations, ``[G, P + R x T, D]`` (see
+    :meth:`Attention.with_prompt`): norms, projections and MLP over all the rows at once."""
+    h = self.attn.with_prompt(self.attn_norm(x), positions, prompt_len, mask_pp, mask_ss, inv_freq)
+    x = constrain(x + h.astype(x.dtype), ("batch", "seq", "act_embed"))
+    x = x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
+    return constrain(x, ("batch", "seq", "act_embed"))
 
 
 # ----------------------------------------------------------------------------
@@ -389,6 +437,12 @@ K_CACHE_LOGICAL_AXES = ("layers", "batch", "kv_heads", "head_dim", "cache_seq")
 V_CACHE_LOGICAL_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 
 
+def causal_mask(mask_bt: jax.Array) -> jax.Array:
+  """``[B, T, T]``: query ``t`` attends to keys ``<= t`` that are real tokens (``mask_bt``)."""
+  T = mask_bt.shape[1]
+  return jnp.tril(jnp.ones((T, T), bool))[None] & mask_bt.astype(bool)[:, None, :]
+
+
 def positions_from_mask(mask_bt: jax.Array) -> jax.Array:
   """Position ids ``[B, T]`` from a padding mask: 0, 1, ... over the real tokens.
 
@@ -438,6 +492,12 @@ class Decoder(nnx.Module):
     _, stacked = nnx.split(self.layers)
     return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(self.config.num_layers))
 
+  def _remat(self, body):
+    """A training scan's layer body under the config's rematerialisation policy."""
+    if self.config.remat == "none":
+      return body
+    return jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat], prevent_cse=False)
+
   def _embed(self, tokens_bt: jax.Array) -> jax.Array:
     # FSDP: gather the table's D dimension before the lookup (it stays vocab-parallel),
     # so the looked-up rows come out batch-sharded instead of D-sharded.
@@ -467,8 +527,7 @@ class Decoder(nnx.Module):
       and values, ``[L, B, T, K, H]`` each (for :meth:`KVCache.from_prompt`).
     """
     cfg = self.config
-    T = tokens_bt.shape[1]
-    mask = jnp.tril(jnp.ones((T, T), bool))[None] & mask_bt.astype(bool)[:, None, :]
+    mask = causal_mask(mask_bt)
     graphdef, layer_state = nnx.split(self.layers)
     inv_freq = rope_inv_freq(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
 
@@ -483,6 +542,52 @@ class Decoder(nnx.Module):
     x, (k, v) = last(x, positions_bt, mask[:, -1:], inv_freq, queries=1)
     kv = (jnp.concatenate([ks, k[None]]), jnp.concatenate([vs, v[None]]))
     return self.final_norm(x), kv
+
+  def with_prompt(
+    self,
+    prompt_tokens_gp: jax.Array,
+    prompt_positions_gp: jax.Array,
+    prompt_mask_gp: jax.Array,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    mask_bt: jax.Array,
+  ) -> tuple[jax.Array, jax.Array]:
+    """The stack over ``G`` prompts, each followed by ``R = B / G`` continuations, every prompt
+    run once instead of once per continuation.
+
+    Rows ``g R .. g R + R - 1`` of ``tokens_bt`` continue prompt ``g``: the result equals the
+    stack over each continuation's row concatenated after its prompt (up to the order of
+    float sums), and a group's prompt work (its projections, MLP and attention) is done
+    once rather than ``R`` times.  The gradient flows to the shared prompt from all of its
+    continuations.
+
+    Args:
+      prompt_tokens_gp, prompt_positions_gp, prompt_mask_gp: ``[G, P]`` (left-padded).
+      tokens_bt, positions_bt, mask_bt: ``[B, T]``, the continuations (positions continue
+        the prompt's).
+
+    Returns:
+      Final-normed hidden states of the prompts ``[G, P, D]`` and continuations ``[B, T, D]``.
+    """
+    cfg = self.config
+    (G, P), (B, T) = prompt_tokens_gp.shape, tokens_bt.shape
+    if B % G:
+      raise ValueError(f"{B} continuations do not split over {G} prompts")
+    R = B // G
+    mask_pp, mask_ss = causal_mask(prompt_mask_gp), causal_mask(mask_bt)
+    graphdef, layer_state = nnx.split(self.layers)
+    inv_freq = rope_inv_freq(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    # One row per group: its prompt, then its R continuations (a group stays on one batch shard).
+    positions = jnp.concatenate([prompt_positions_gp, positions_bt.reshape(G, R * T)], axis=1)
+    x = jnp.concatenate([self._embed(prompt_tokens_gp), self._embed(tokens_bt).reshape(G, R * T, -1)], axis=1)
+    x = constrain(x, ("batch", "seq", "act_embed"))
+
+    def body(x, state_l):
+      return nnx.merge(graphdef, state_l).with_prompt(x, positions, P, mask_pp, mask_ss, inv_freq), None
+
+    x, _ = jax.lax.scan(self._remat(body), x, layer_state)
+    x = self.final_norm(x)
+    return x[:, :P], x[:, P:].reshape(B, T, -1)
 
   def __call__(
     self,
@@ -512,9 +617,7 @@ class Decoder(nnx.Module):
     x = self._embed(tokens_bt)
 
     if cache is None:
-      # [B, T, S=T]: causal within the call, padding keys masked.
-      causal = jnp.tril(jnp.ones((T, T), bool))
-      mask = causal[None] & mask_bt[:, None, :]
+      mask = causal_mask(mask_bt)  # [B, T, S=T]: causal within the call, padding keys masked
       cache_index = None
     else:
       S = cache.max_len
@@ -534,9 +637,7 @@ class Decoder(nnx.Module):
         y, _ = layer(x, positions_bt, mask, inv_freq)
         return y, None
 
-      if cfg.remat != "none":
-        body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-      x, _ = jax.lax.scan(body, x, layer_state)
+      x, _ = jax.lax.scan(self._remat(body), x, layer_state)
       new_cache = None
     elif cache.is_per_layer:
       states = layers if layers is not None else self.layer_states()

@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from mimo_jax import multihost, sharding
 from mimo_jax.config import Config
+from mimo_jax.models.logprobs import shares_prompts
 from mimo_jax.optim import TrainState, make_optimizer
 from mimo_jax.rl.controllers import (
   ControllerSettings,
@@ -65,7 +66,9 @@ from mimo_jax.train.steps import (
 @flax.struct.dataclass
 class Experience:
   """One rollout batch, the only thing that passes from rollout to learner (``B`` rows, ``P``
-  prompt and ``M`` completion tokens; rows of a prompt's group are contiguous).
+  prompt and ``M`` completion tokens; rows of a prompt's group are contiguous, with equal
+  ``prompt_tokens`` and ``prompt_mask``: with ``--share_prompts`` the learner runs each group's
+  prompt once, from its first row).
 
   Attributes:
     prompt_tokens: int32 ``[B, P]``, left-padded.
@@ -154,7 +157,7 @@ def uses_kl(cfg: Config) -> bool:
   return cfg.algo.kl_coef > 0
 
 
-def update_settings(cfg: Config) -> UpdateSettings:
+def update_settings(cfg: Config, mesh: Mesh | None = None) -> UpdateSettings:
   a = cfg.algo
   return UpdateSettings(
     policy_loss=a.policy_loss,
@@ -169,7 +172,27 @@ def update_settings(cfg: Config) -> UpdateSettings:
     num_minibatches=a.num_minibatches,
     grad_accum=a.grad_accum,
     logprob_impl=a.logprob_impl,
+    prompt_group=prompt_groups(cfg, mesh)[1],
   )
+
+
+def prompt_groups(cfg: Config, mesh: Mesh | None = None) -> tuple[int, int]:
+  """Rows per shared prompt in the learner's score pass and in its update (``--share_prompts``; 1:
+  every row runs its own prompt).
+
+  The rollout lays a prompt's ``num_samples`` rows out contiguously with equal prompt tokens
+  (:class:`Experience`), so the learner can run each prompt once: in every pass whose row chunks
+  (``num_minibatches x grad_accum`` micro-batches) hold whole groups that split over ``mesh``'s
+  batch shards as the rows do, and in the update only without the row shuffle of
+  ``num_minibatches > 1``.  At one new token there is nothing to share (the prompt's last position
+  is the only one scored).  The learner's programs decide the same at trace time
+  (``models.logprobs.shares_prompts``); the compute ledger counts what this returns.
+  """
+  a, N = cfg.algo, cfg.rollout.num_samples
+  rows = cfg.data.prompts_per_step * N // (a.num_minibatches * a.grad_accum)
+  if not a.share_prompts or not shares_prompts(rows, cfg.rollout.max_new_tokens, N, mesh=mesh):
+    return 1, 1
+  return N, (N if a.num_minibatches == 1 else 1)
 
 
 def advantage_settings(cfg: Config) -> AdvantageSettings:
@@ -387,9 +410,10 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
     micro_batches=micro,
     reference_offload=a.reference_offload,
     use_policy=not from_sampler,
+    prompt_group=prompt_groups(cfg, mesh)[0],
   )
   advantages = make_advantage_fn(advantage_settings(cfg))
-  upd_settings = update_settings(cfg)
+  upd_settings = update_settings(cfg, mesh)
   update = make_update_fn(mesh, upd_settings)
   ctl_settings = controller_settings(cfg)
   tx, schedule = rl_optimizer(cfg)

@@ -3,13 +3,15 @@
 FLOPs are counted from the model's shape and the step's actual token counts (each row's real prompt
 length and completion length; padding is not counted), for what the trainer runs:
 
-- ``generate``: the prefill over each prompt (causal attention over it, logits of its last position),
-  then one decode step per further generated token (attention over the prompt and the tokens so far).
+- ``generate``: the prefill over each prompt, once per group of rows that share it (causal attention
+  over it, logits of its last position), then one decode step per further generated token (attention
+  over the prompt and the tokens so far).
   With dynamic sampling every round generated counts (rounds are counted at the trained batch's
   token counts: an estimate).
 - ``score``: the behaviour log-probs, one teacher-forced forward of the policy over prompt + completion
   (logits of the completion positions only, as the fused kernel computes them); none when the sampler's
-  own log-probs stand in for them (``--behaviour_logprobs``).
+  own log-probs stand in for them (``--behaviour_logprobs``).  With ``--share_prompts`` a group's prompt
+  runs once and each completion after it, less its last token (which predicts nothing).
 - ``reference``: the same forward of the frozen reference (when there is one).
 - ``learn``: forward + backward (3 forwards' worth; 4 with ``--remat=full``, which recomputes the
   forward in the backward) of the policy per PPO epoch, and of the critic per value pass, plus the
@@ -74,17 +76,33 @@ class FlopCounter:
       + 2 * self.d_model * out_width * np.sum(np.asarray(outputs, np.int64))
     )
 
-  def generate(self, prompt_len: np.ndarray, completion_len: np.ndarray) -> int:
-    """Prefill over each prompt then one decode step per further token (per-row lengths)."""
+  def generate(self, prompt_len: np.ndarray, completion_len: np.ndarray, *, group: int = 1) -> int:
+    """Prefill over each prompt (once per ``group`` contiguous rows sharing it) then one decode step
+    per further token (per-row lengths)."""
     p, c = np.asarray(prompt_len, np.int64), np.asarray(completion_len, np.int64)
-    prefill = self.forward(p, causal_keys(0, p), np.minimum(c, 1))
+    p_g, c_g = _groups(p, group)[:, 0], np.max(_groups(c, group), axis=1)
+    prefill = self.forward(p_g, causal_keys(0, p_g), np.minimum(c_g, 1))
     steps = np.maximum(c - 1, 0)
     return prefill + self.forward(steps, causal_keys(p, steps), steps)
 
-  def score(self, prompt_len: np.ndarray, completion_len: np.ndarray, *, head: str = "logits") -> int:
-    """One teacher-forced forward over prompt + completion, outputs at the completion positions."""
+  def score(self, prompt_len: np.ndarray, completion_len: np.ndarray, *, head: str = "logits", group: int = 1) -> int:
+    """One teacher-forced forward over prompt + completion, outputs at the completion positions; with
+    ``group`` > 1 each group's prompt once, then each completion less its last token
+    (``models.logprobs.completion_hidden``)."""
     p, c = np.asarray(prompt_len, np.int64), np.asarray(completion_len, np.int64)
-    return self.forward(p + c, causal_keys(0, p + c), c, head=head)
+    if group == 1:
+      return self.forward(p + c, causal_keys(0, p + c), c, head=head)
+    p_g, rest = _groups(p, group)[:, 0], np.maximum(c - 1, 0)
+    return self.forward(
+      np.sum(p_g) + np.sum(rest), np.sum(causal_keys(0, p_g)) + np.sum(causal_keys(p, rest)), c, head=head
+    )
+
+
+def _groups(x: np.ndarray, group: int) -> np.ndarray:
+  """``[B] -> [B / group, group]`` (rows of a group are contiguous)."""
+  if x.shape[0] % group:
+    raise ValueError(f"{x.shape[0]} rows do not split into groups of {group}")
+  return x.reshape(-1, group)
 
 
 class Ledger:
@@ -98,6 +116,9 @@ class Ledger:
     remat_full: ``--remat=full`` (the backward recomputes the forward).
     rollout_devices: devices generation runs on.
     learner_devices: devices the learner program runs on.
+    sample_group: rows per prompt in generation (``--num_samples``: the sampler prefills a prompt once).
+    score_group, update_group: rows per shared prompt in the learner's score pass and update
+      (``learner.prompt_groups``; 1: every row runs its own prompt).
   """
 
   def __init__(
@@ -111,8 +132,12 @@ class Ledger:
     remat_full: bool,
     rollout_devices: int,
     learner_devices: int,
+    sample_group: int = 1,
+    score_group: int = 1,
+    update_group: int = 1,
   ):
     self.policy = policy
+    self.sample_group, self.score_group, self.update_group = sample_group, score_group, update_group
     self.use_reference = use_reference
     self.use_value = use_value
     self.use_behaviour_pass = use_behaviour_pass
@@ -143,13 +168,14 @@ class Ledger:
       time_generate_s, time_train_s: the phases' wall seconds.
     """
     pc = self.policy
-    score = pc.score(prompt_len, completion_len)
+    score = pc.score(prompt_len, completion_len, group=self.score_group)
     out = {
-      "flops_generate": float(rounds * pc.generate(prompt_len, completion_len)),
+      "flops_generate": float(rounds * pc.generate(prompt_len, completion_len, group=self.sample_group)),
       "flops_score": float(score if self.use_behaviour_pass else 0),
       "flops_reference": float(score if self.use_reference else 0),
     }
-    learn = self.backward_factor * self.epochs * score if trained else 0
+    policy = pc.score(prompt_len, completion_len, group=self.update_group)
+    learn = self.backward_factor * self.epochs * policy if trained else 0
     if self.use_value:
       value = pc.score(prompt_len, completion_len, head="value")
       learn += value + self.backward_factor * value_passes * value

@@ -60,6 +60,7 @@ from mimo_jax.train.learner import (
   compile_ahead,
   init_controller_state,
   place_experience,
+  prompt_groups,
   sampler_behaviour,
   uses_kl,
 )
@@ -321,6 +322,9 @@ class RLRun:
       remat_full=self.model_cfg.remat == "full",
       rollout_devices=(self.rollout_mesh or self.mesh).devices.size,
       learner_devices=self.mesh.devices.size,
+      sample_group=cfg.rollout.num_samples,
+      score_group=prompt_groups(cfg, self.mesh)[0],
+      update_group=prompt_groups(cfg, self.mesh)[1],
     )
 
     # ---- checkpoints, logs, host-side bookkeeping

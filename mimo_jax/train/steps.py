@@ -89,6 +89,8 @@ class UpdateSettings:
     num_minibatches: optimizer updates per pass.
     grad_accum: micro-batches per minibatch.
     logprob_impl: the ``fused`` streaming kernel (default) or ``full`` logits for log-probs/entropy.
+    prompt_group: rows per shared prompt (``models.logprobs.completion_stats``; 1: none). Used only
+      without a row shuffle (``num_minibatches == 1``), which would split the groups.
   """
 
   policy_loss: str = "ppo"
@@ -103,6 +105,7 @@ class UpdateSettings:
   num_minibatches: int = 1
   grad_accum: int = 1
   logprob_impl: str = "fused"
+  prompt_group: int = 1
 
 
 # ----------------------------------------------------------------------------
@@ -192,6 +195,7 @@ def make_score_fn(
   micro_batches: int = 1,
   reference_offload: str = "none",
   use_policy: bool = True,
+  prompt_group: int = 1,
 ):
   """A jitted ``(params, ref_params, batch, temperature) -> (old_logprobs, ref_logprobs)``.
 
@@ -200,13 +204,14 @@ def make_score_fn(
   reference the second output is zeros (and no reference forward pass is compiled); with
   ``use_policy=False`` the first is (the caller has the behaviour log-probs already).  The
   reference may be stored in another form (``models.reference``: bf16, int8, host memory); it is
-  made dense in the policy's dtypes once, before the chunks.
+  made dense in the policy's dtypes once, before the chunks.  ``prompt_group`` > 1: each run of
+  that many contiguous rows shares its prompt, run once (``models.logprobs.completion_stats``).
   """
 
   def logprobs(model, *args):
     if logprob_impl == "full":
-      return completion_logprobs(model, *args)
-    return completion_stats(model, *args, impl=logprob_impl)[0]
+      return completion_logprobs(model, *args, prompt_group=prompt_group)
+    return completion_stats(model, *args, impl=logprob_impl, prompt_group=prompt_group)[0]
 
   def score(params, ref_params, batch: SequenceBatch, temperature):
     if use_reference:
@@ -407,6 +412,7 @@ def policy_objective(
     mb.completion_mask,
     mb.temperature,
     impl=settings.logprob_impl,
+    prompt_group=settings.prompt_group if settings.num_minibatches == 1 else 1,
   )
   mask = mb.completion_mask
   pg_loss, pg_metrics = policy_loss(
