@@ -863,8 +863,8 @@ ADDED_SETTINGS = {
   ),
   # sft_grad_clip absent: the warm start was clipped at --grad_clip (ADDED_FROM).
   "optim": ("rm_learning_rate", "sft_grad_clip"),
-  # Absent reads as auto: it differs from the older recompute by rounding only, and only in training.
-  "algo": ("behaviour_logprobs",),
+  # Absent reads as auto / shared: each differs from the older behaviour by rounding only, and only in training.
+  "algo": ("behaviour_logprobs", "share_prompts"),
   "data": (
     "rm_batch_size",
     "rm_pairs",
