@@ -313,6 +313,7 @@ class RLRun:
     self.alarm_rollbacks = 0
     self.reshuffled = False  # a reward-jitter alarm broke the fixed prompt order
     # ---- the compute ledger: FLOPs and device-seconds by phase, totals checkpointed with the run
+    score_group, update_group = prompt_groups(cfg, self.mesh)
     self.ledger = Ledger(
       FlopCounter.of(self.model_cfg),
       use_reference=self.use_kl,
@@ -323,8 +324,8 @@ class RLRun:
       rollout_devices=(self.rollout_mesh or self.mesh).devices.size,
       learner_devices=self.mesh.devices.size,
       sample_group=cfg.rollout.num_samples,
-      score_group=prompt_groups(cfg, self.mesh)[0],
-      update_group=prompt_groups(cfg, self.mesh)[1],
+      score_group=score_group,
+      update_group=update_group,
     )
 
     # ---- checkpoints, logs, host-side bookkeeping
