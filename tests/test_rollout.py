@@ -107,6 +107,42 @@ def test_unrolled_decode_equals_the_scanned_stack(mesh_shape):
   np.testing.assert_allclose(unrolled.logprobs, scanned.logprobs, atol=1e-6)
   # Some rows stopped and some ran to the limit, so both exits of the loop are covered.
   assert set(np.asarray(unrolled.finish_reason).tolist()) == {FINISH_STOP, FINISH_LENGTH}
+  # The per-layer weights kept between calls (the prefill unrolled on them too).
+  kept = Sampler(model, mesh=mesh, keep_layer_copy=True).generate(tokens, mask, **kw)
+  np.testing.assert_array_equal(kept.completion_tokens, scanned.completion_tokens)
+  np.testing.assert_array_equal(kept.finish_reason, scanned.finish_reason)
+  np.testing.assert_allclose(kept.logprobs, scanned.logprobs, atol=1e-6)
+
+
+def test_a_kept_layer_copy_is_reused_only_while_the_weights_are_unchanged():
+  """keep_layer_copy: calls on the same arrays reuse one per-layer copy and compile nothing
+  new; other weights (update_params, or a model updated in place and passed again to
+  rollout.generate, which keeps one) are never read from a stale copy."""
+  cfg = tiny()
+  a, b = Transformer(cfg, rngs=nnx.Rngs(1)), Transformer(cfg, rngs=nnx.Rngs(2))
+  tokens, mask = left_pad(PROMPTS, 16, 0)
+  kw = dict(num_samples=1, max_len=8, sampling=SamplingParams(), temperature=0.0, key=jax.random.key(0))
+  want_a = np.asarray(Sampler(a).generate(tokens, mask, **kw).completion_tokens)
+  want_b = np.asarray(Sampler(b).generate(tokens, mask, **kw).completion_tokens)
+  assert not np.array_equal(want_a, want_b)
+
+  sampler = Sampler(a, keep_layer_copy=True)
+  np.testing.assert_array_equal(sampler.generate(tokens, mask, **kw).completion_tokens, want_a)
+  copy = sampler._layer_copy[1]
+  sampler.update_params(a)  # the same arrays: the copy stays
+  with count_compilations() as c:
+    np.testing.assert_array_equal(sampler.generate(tokens, mask, **kw).completion_tokens, want_a)
+  assert c.count == 0 and sampler._layer_copy[1] is copy
+  sampler.update_params(b)  # released at once, not held until the next call
+  assert sampler._layer_copy is None
+  np.testing.assert_array_equal(sampler.generate(tokens, mask, **kw).completion_tokens, want_b)
+
+  m = Transformer(cfg, rngs=nnx.Rngs(1))
+  np.testing.assert_array_equal(generate(m, PROMPTS, max_new_tokens=8, temperature=0.0).completion_tokens, want_a)
+  nnx.update(m, nnx.state(b))
+  np.testing.assert_array_equal(generate(m, PROMPTS, max_new_tokens=8, temperature=0.0).completion_tokens, want_b)
+  with pytest.raises(ValueError, match="unrolled_decode"):
+    Sampler(a, keep_layer_copy=True, unrolled_decode=False)
 
 
 def test_per_layer_cache_decode_step_equals_the_stacked_one(model):

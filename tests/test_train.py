@@ -381,6 +381,7 @@ def test_generate_benchmark_alternates_with_transformers_on_identical_weights(tm
   assert [r["batch"] for r in records] == [1, 3] and json.loads(out.read_text()) == records
   for r in records:
     assert r["model"] == "tunix" and r["greedy_token_agreement_with_hf"] == 1.0
+    assert r["layer_copy"] == "kept"  # the default: rollout.generate's sampler
     for side in ("mimo-jax", "transformers"):
       assert len(r[side]) and r[side]["total_s"]["min"] <= r[side]["total_s"]["median"] <= r[side]["total_s"]["max"]
     assert np.isfinite(r["ratio_total_hf_over_ours"]) and np.isfinite(r["ratio_prefill_hf_over_ours"])
@@ -388,6 +389,8 @@ def test_generate_benchmark_alternates_with_transformers_on_identical_weights(tm
   assert (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (2, 64, 8, 4, 512)
   with pytest.raises(SystemExit):
     bench_generate.parse_args(["--batch=4,x"])
+  with pytest.raises(SystemExit):
+    bench_generate.parse_args(["--layer_copy=none"])
 
 
 @pytest.mark.slow

@@ -56,9 +56,10 @@ def _timed(fn, *args) -> float:
   return time.perf_counter() - t0
 
 
-def ours(model, prompts, new_tokens):
-  """(run(n) -> None, tokens): greedy generation of n tokens with the trainer's sampler."""
-  sampler = Sampler(model)
+def ours(model, prompts, new_tokens, keep_layer_copy=True):
+  """(run(n) -> None, tokens): greedy generation of n tokens with the trainer's sampler
+  (by default as ``rollout.generate`` builds it: the per-layer weights kept between calls)."""
+  sampler = Sampler(model, keep_layer_copy=keep_layer_copy)
   tokens, mask = left_pad(prompts, len(prompts[0]), 0)
   kw = dict(num_samples=1, max_len=new_tokens, sampling=SamplingParams(), temperature=0.0, key=jax.random.key(0))
 
@@ -149,6 +150,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--no_baselines", action="store_true", help="only time mimo-jax")
   parser.add_argument("--no_cache_max_batch", type=int, default=16, help="largest batch for the no-cache baseline")
   parser.add_argument("--json_out", default="", help="also write the per-batch records here (a JSON list)")
+  parser.add_argument(
+    "--layer_copy",
+    choices=("kept", "per_call"),
+    default="kept",
+    help="kept: the per-layer weights made once and kept between calls (rollout.generate's sampler); "
+    "per_call: copied inside every call (the trainer's sampler)",
+  )
   args = parser.parse_args(argv)
   try:
     args.batches = [int(b) for b in args.batch.split(",")]
@@ -187,7 +195,7 @@ def main(argv=None):
   for B in args.batches:
     prompts = rng.integers(1, cfg.vocab_size, (B, args.prompt_len)).tolist()
     N, P = args.new_tokens, args.prompt_len
-    sides = {"mimo-jax": ours(model, prompts, N)}
+    sides = {"mimo-jax": ours(model, prompts, N, keep_layer_copy=args.layer_copy == "kept")}
     if not args.no_baselines:
       sides["transformers"] = transformers_side(tmp, prompts, N)
     times = {name: ([], []) for name in sides}
@@ -196,7 +204,8 @@ def main(argv=None):
         times[name][0].append(_timed(run, 1))
         times[name][1].append(_timed(run, N))
     rows = {name: _rates(B, P, N, *times[name]) for name in sides}
-    record: dict = {"batch": B, "prompt_len": P, "new_tokens": N, "repeats": args.repeats, "model": cfg.name, **rows}
+    record: dict = {"batch": B, "prompt_len": P, "new_tokens": N, "repeats": args.repeats, "model": cfg.name}
+    record.update(layer_copy=args.layer_copy, **rows)
     if "transformers" in rows:
       record["greedy_token_agreement_with_hf"] = float(np.mean(sides["mimo-jax"][1] == sides["transformers"][1]))
       record["ratio_total_hf_over_ours"] = (

@@ -544,7 +544,8 @@ def evaluate_checkpoint(
     ckpt.close()
   graphdef, _ = abstract_state(lambda: Transformer(meta["_model"], rngs=nnx.Rngs(0)))
   model = nnx.merge(graphdef, params)
-  factory = rollout_factory or (lambda m, mesh: Sampler(m, mesh=mesh))
+  # Fixed weights, many calls: the per-layer copy is made once.
+  factory = rollout_factory or (lambda m, mesh: Sampler(m, mesh=mesh, keep_layer_copy=True))
   sampler = factory(model, mesh)
   rows = eval_rows(len(heldout), sampler.batch_shards)
   if max_batch_rows is None:

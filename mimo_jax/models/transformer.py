@@ -510,6 +510,7 @@ class Decoder(nnx.Module):
     tokens_bt: jax.Array,
     positions_bt: jax.Array,
     mask_bt: jax.Array,
+    layers: tuple[nnx.State, ...] | None = None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """The stack over a prompt batch that starts an empty cache.
 
@@ -520,7 +521,8 @@ class Decoder(nnx.Module):
     layer only its keys and values are needed at every position (they come from its
     input) and its output only at the last one, the only one unembedded: its queries,
     attention output and MLP run on that position alone (``1 / L`` of the prefill's
-    matmul work, less).
+    matmul work, less).  Given per-layer weights (:meth:`layer_states`, made outside the
+    program), the layers run unrolled on them and no weight is sliced or copied.
 
     Returns:
       The last position's final-normed hidden state ``[B, 1, D]`` and every layer's keys
@@ -532,15 +534,27 @@ class Decoder(nnx.Module):
     inv_freq = rope_inv_freq(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     L = cfg.num_layers
+    x = self._embed(tokens_bt)
+    if layers is None:
 
-    def body(x, i):
-      state_l = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), layer_state)
-      return nnx.merge(graphdef, state_l)(x, positions_bt, mask, inv_freq)
+      def body(x, i):
+        state_l = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), layer_state)
+        return nnx.merge(graphdef, state_l)(x, positions_bt, mask, inv_freq)
 
-    x, (ks, vs) = jax.lax.scan(body, self._embed(tokens_bt), jnp.arange(L - 1))
-    last = nnx.merge(graphdef, jax.tree.map(lambda a: a[L - 1], layer_state))
+      x, (k, v) = jax.lax.scan(body, x, jnp.arange(L - 1))
+      ks, vs = [k], [v]
+      last = nnx.merge(graphdef, jax.tree.map(lambda a: a[L - 1], layer_state))
+    else:
+      if len(layers) != L:
+        raise ValueError(f"{L} layers but {len(layers)} layer states")
+      ks, vs = [], []
+      for state_l in layers[:-1]:
+        x, (k, v) = nnx.merge(graphdef, state_l)(x, positions_bt, mask, inv_freq)
+        ks.append(k[None])
+        vs.append(v[None])
+      last = nnx.merge(graphdef, layers[-1])
     x, (k, v) = last(x, positions_bt, mask[:, -1:], inv_freq, queries=1)
-    kv = (jnp.concatenate([ks, k[None]]), jnp.concatenate([vs, v[None]]))
+    kv = (jnp.concatenate([*ks, k[None]]), jnp.concatenate([*vs, v[None]]))
     return self.final_norm(x), kv
 
   def with_prompt(

@@ -13,6 +13,8 @@ One ``generate`` call is one jitted function of ``(params, prompts, temperatures
    default the loop carries one cache buffer per layer and reads per-layer weights
    sliced once before it (``unrolled_decode``): a step then writes its cache slots in
    place and copies no weights, at the price of a decode program that grows with depth.
+   With ``keep_layer_copy`` that per-layer copy is made once per set of weights, outside
+   the call, and the prefill runs on it too: a call on unchanged weights copies none.
 
 Shapes are static per (prompt bucket ``P``, ``Np``, ``G``, ``M``): after warm-up, a new
 batch in a seen bucket compiles nothing.  Parameters are the live training state
@@ -122,6 +124,7 @@ class Sampler:
     rules: sharding.Rules = sharding.GENERATE_RULES,
     cache_dtype: str | None = None,
     unrolled_decode: bool = True,
+    keep_layer_copy: bool = False,
   ):
     """Args:
     model: the policy; its parameters are read, never copied outside a generate call.
@@ -133,14 +136,26 @@ class Sampler:
       program that grows with depth); False: the scanned stack, which slices each
       layer's weights and cache out of the stacks at every step and needs no copy.
       Read when a shape is first compiled.
+    keep_layer_copy: make the per-layer copy of the layer weights once per set of
+      parameters, outside the generate program, and keep it between calls (the prefill
+      then also runs on it, unrolled): calls with unchanged weights (serving, evaluation)
+      copy and slice no weight, at the price of one more copy of the layer weights held
+      while the parameters stay unchanged.  Off in training, where the weights change
+      every step and the copy would be held through the update.  Needs ``unrolled_decode``.
     """
+    if keep_layer_copy and not unrolled_decode:
+      raise ValueError("keep_layer_copy=True needs unrolled_decode=True (the scanned decode reads the stacked weights)")
     self.config = model.config
     self.mesh = mesh
     self.rules = rules
     self.cache_dtype = cache_dtype
     self.unrolled_decode = unrolled_decode
+    self.keep_layer_copy = keep_layer_copy
     self._graphdef, self._state = nnx.split(model)
+    # (the parameter leaves it was made from, the per-layer weights); None until needed.
+    self._layer_copy: tuple[list, tuple[nnx.State, ...]] | None = None
     self._generate = jax.jit(self._generate_impl, static_argnames=("num_samples", "max_len", "sampling"))
+    self._split_layers = jax.jit(lambda state: nnx.merge(self._graphdef, state).decoder.layer_states())
     self._logps = jax.jit(self._logps_impl)
 
   # ------------------------------------------------------------------ params
@@ -149,7 +164,20 @@ class Sampler:
     """Points the sampler at new parameters (a model or the state half of ``nnx.split``)."""
     if isinstance(model_or_state, nnx.Module):
       _, model_or_state = nnx.split(model_or_state)
+    if self._layer_copy is not None:
+      made_from, new = self._layer_copy[0], jax.tree.leaves(model_or_state)
+      # Arrays are immutable: the same leaves are the same weights.
+      if len(made_from) != len(new) or any(a is not b for a, b in zip(made_from, new, strict=True)):
+        self._layer_copy = None
     self._state = model_or_state
+
+  def _layers(self) -> tuple[nnx.State, ...] | None:
+    """The kept per-layer weights (made now if the parameters changed); None when not kept."""
+    if not self.keep_layer_copy:
+      return None
+    if self._layer_copy is None:
+      self._layer_copy = (jax.tree.leaves(self._state), self._split_layers(self._state))
+    return self._layer_copy[1]
 
   @property
   def batch_shards(self) -> int:
@@ -170,6 +198,7 @@ class Sampler:
   def _generate_impl(
     self,
     state,
+    layers,
     prompt_tokens,
     prompt_mask,
     temperature,
@@ -187,9 +216,10 @@ class Sampler:
     stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
 
     with self._rules_ctx():
-      # ---- prefill (once per prompt; the scanned stack, whose program does not grow with depth)
+      # ---- prefill (once per prompt: the scanned stack, whose program does not grow with
+      # depth, or unrolled on the kept per-layer weights)
       positions = positions_from_mask(prompt_mask)
-      hidden, (k, v) = model.decoder.prefill(prompt_tokens, positions, prompt_mask)
+      hidden, (k, v) = model.decoder.prefill(prompt_tokens, positions, prompt_mask, layers)
       # ---- fan out to G samples per prompt: the cache is built fanned out (and, for the
       # unrolled decode, split per layer) in one write per buffer.
       cache = _constrain_cache(
@@ -197,8 +227,10 @@ class Sampler:
           k, v, prompt_mask, P + M, repeats=G, per_layer=self.unrolled_decode, dtype=self.cache_dtype or k.dtype
         )
       )
-      # One copy of the layer weights for the whole call, read in place by every decode step.
-      layers = model.decoder.layer_states() if self.unrolled_decode else None
+      # Unless kept between calls: one copy of the layer weights for the whole call, read in
+      # place by every decode step.
+      if layers is None and self.unrolled_decode:
+        layers = model.decoder.layer_states()
       # Left padding: the last slot is the last real token. Unembed only that position
       # (the full [Np, P, V] logits would cost P times the head's FLOPs for nothing).
       last_logits = model.logits_from_hidden(hidden[:, -1:])[:, 0]
@@ -319,14 +351,15 @@ class Sampler:
     B = Np * num_samples
     if B % self.batch_shards:
       raise ValueError(f"num_prompts * num_samples = {B} must be a multiple of the batch shards ({self.batch_shards})")
-    temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))
-    limit = jnp.asarray(max_len if max_new_tokens is None else max_new_tokens, jnp.int32)
-    prompt_tokens, prompt_mask = (
-      self._place(jnp.asarray(prompt_tokens, jnp.int32)),
-      self._place(jnp.asarray(prompt_mask, bool)),
-    )
+    # Host values stay numpy until the call: each eager jnp op here would be a program
+    # dispatch of its own (~0.3 ms each on a CPU host).
+    host = not isinstance(temperature, jax.Array)
+    temp = (np if host else jnp).broadcast_to((np if host else jnp).asarray(temperature, np.float32), (B,))
+    limit = np.asarray(max_len if max_new_tokens is None else max_new_tokens, np.int32)
+    prompt_tokens, prompt_mask = self._place(_as(prompt_tokens, np.int32)), self._place(_as(prompt_mask, bool))
     return self._generate(
       self._state,
+      self._layers(),
       prompt_tokens,
       prompt_mask,
       temp,
@@ -350,6 +383,13 @@ class Sampler:
       return x
     spec = sharding.logical_to_spec(("batch",) + (None,) * (x.ndim - 1), self.rules, self.mesh, x.shape)
     return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+
+def _as(x, dtype):
+  """``x`` as ``dtype``: a device array stays on the device, anything else becomes numpy."""
+  if isinstance(x, jax.Array):
+    return x if x.dtype == dtype else x.astype(dtype)
+  return np.asarray(x, dtype)
 
 
 def _lengths(tokens, stop_ids, stopped, t_end):
@@ -380,10 +420,10 @@ DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 _SAMPLERS: dict[int, tuple[object, Sampler]] = {}
 
 
-def _get_sampler(model: Transformer, mesh: Mesh | None) -> Sampler:
+def _get_sampler(model: Transformer, mesh: Mesh | None, keep_layer_copy: bool) -> Sampler:
   entry = _SAMPLERS.get(id(model))
-  if entry is None or entry[0] is not model or entry[1].mesh is not mesh:
-    entry = (model, Sampler(model, mesh=mesh))
+  if entry is None or entry[0] is not model or entry[1].mesh is not mesh or entry[1].keep_layer_copy != keep_layer_copy:
+    entry = (model, Sampler(model, mesh=mesh, keep_layer_copy=keep_layer_copy))
     _SAMPLERS[id(model)] = entry
   else:
     entry[1].update_params(model)
@@ -405,6 +445,7 @@ def generate(
   mesh: Mesh | None = None,
   prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
   vocab_limit: int = 0,
+  keep_layer_copy: bool = True,
 ) -> RolloutOutput:
   """Generates completions for token-id prompts of any lengths (users and notebooks).
 
@@ -427,6 +468,9 @@ def generate(
     prompt_buckets: allowed padded prompt lengths.
     vocab_limit: never sample ids ``>= vocab_limit`` (the tokenizer's vocabulary size when
       the model's is larger; 0: no limit).
+    keep_layer_copy: keep a per-layer copy of the model's layer weights between calls
+      while its weights are unchanged (:class:`Sampler`): repeated calls copy no weight,
+      at the price of that copy's memory.  False: copy inside each call instead.
 
   Returns:
     A :class:`RolloutOutput` with ``len(prompts) * num_samples`` rows;
@@ -434,7 +478,7 @@ def generate(
   """
   if not prompts:
     raise ValueError("prompts is empty")
-  sampler = _get_sampler(model, mesh)
+  sampler = _get_sampler(model, mesh, keep_layer_copy)
   P = bucket_for(max(len(p) for p in prompts), prompt_buckets)
   n = len(prompts)
   shards = sampler.batch_shards
