@@ -224,7 +224,8 @@ class AlgoConfig:
   share_prompts: bool = field(
     True,
     "The learner runs each group's prompt once (its num_samples rows share it) instead of once per row: the "
-    "same log-probs up to float rounding, less work. Off under num_minibatches > 1 (rows are shuffled).",
+    "same log-probs up to float rounding, less work. Under num_minibatches > 1 the shuffle then deals out whole "
+    "groups (false: single rows).",
   )
   reference_dtype: str = field(
     "",

@@ -85,6 +85,14 @@ def test_a_shared_prompt_is_counted_once_per_group():
   assert m["flops_learn"] == 3 * fc.score(prompts, completions)  # a shuffled update runs every row's prompt
   with pytest.raises(ValueError, match="groups of 4"):
     fc.score(prompts, completions, group=4)
+  # A critic's forward and its update passes share prompts as the policy's do.
+  kw = dict(epochs=1, remat_full=False, rollout_devices=1, learner_devices=1, sample_group=3, score_group=3)
+  critic = Ledger(fc, use_reference=False, use_value=True, update_group=3, **kw).step(
+    prompts, completions, value_passes=2
+  )
+  value = fc.score(prompts, completions, head="value", group=3)
+  assert value < fc.score(prompts, completions, head="value")
+  assert critic["flops_learn"] == 3 * fc.score(prompts, completions, group=3) + value + 3 * 2 * value
 
 
 def test_a_step_adds_up_the_phases_and_the_totals_survive_a_checkpoint():

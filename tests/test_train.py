@@ -601,6 +601,49 @@ def test_shared_prompts_give_the_per_row_log_probs_and_update_with_less_work():
       np.testing.assert_allclose(metrics[k], ref_m[k], rtol=1e-4, atol=1e-6, err_msg=f"{name}: {k}")
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), state.params, ref_state.params)
 
+  # Several minibatches: the shuffle deals out whole groups, so the update shares prompts there too. The
+  # oracle: the per-row update run on each minibatch in turn, in the same order.
+  from mimo_jax.train.steps import minibatch_order
+
+  shared_state = _state(Transformer(cfg, rngs=nnx.Rngs(3)), tx=linear)
+  order = np.asarray(minibatch_order(jax.random.split(shared_state.rng)[1], B, 2, 4))
+  assert sorted(order) == list(range(B)) and (order.reshape(4, 4) - order.reshape(4, 4)[:, :1] == np.arange(4)).all()
+  assert (order.reshape(4, 4)[:, 0] % 4 == 0).all() and not (order == np.arange(B)).all()
+  ref_state = _state(Transformer(cfg, rngs=nnx.Rngs(3)), tx=linear)
+  per_row = make_update_fn(None, UpdateSettings(logprob_impl="full"))
+  for half in np.split(order, 2):
+    ref_state, _ = per_row(ref_state, jax.tree.map(lambda x, h=half: x[h], batch), COEFS)
+  state, _ = make_update_fn(None, UpdateSettings(logprob_impl="full", prompt_group=4, num_minibatches=2))(
+    shared_state, batch, COEFS
+  )
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), state.params, ref_state.params)
+
+  # The critic shares prompts too: its values (whole and micro-batched) and its update equal the per-row ones.
+  from mimo_jax.models import ValueModel
+  from mimo_jax.train.steps import ValueBatch, ValueSettings, make_value_fn, make_value_update_fn
+
+  def critic():
+    value = ValueModel.from_policy(Transformer(cfg, rngs=nnx.Rngs(3)), rngs=nnx.Rngs(4))
+    value.value_head_d[...] = 0.3 * jax.random.normal(jax.random.key(5), (cfg.d_model,))  # not the zero init
+    return value
+
+  v_graphdef, v_params = nnx.split(critic())
+  value_fns = [make_value_fn(v_graphdef, None, micro_batches=n, prompt_group=g) for g, n in ((1, 1), (4, 1), (4, 2))]
+  values = [np.asarray(f(v_params, seqs)) for f in value_fns]
+  assert np.abs(values[0][np.asarray(mask)]).min() > 0
+  for v in values[1:]:
+    np.testing.assert_allclose(v, values[0], atol=2e-5)
+  flops = [f.lower(v_params, seqs).cost_analysis()["flops"] for f in value_fns[:2]]
+  assert flops[1] < 0.7 * flops[0], flops
+  returns = jnp.where(mask, jnp.asarray(np.random.default_rng(4).uniform(-1, 1, (B, 1)), jnp.float32), 0.0)
+  vbatch = ValueBatch(seqs.prompt_tokens, seqs.prompt_mask, seqs.completion_tokens, mask, values[0] - 0.05, returns)
+  ref_state, ref_m = make_value_update_fn(None, ValueSettings(clip=0.1))(_state(critic(), tx=linear), vbatch)
+  state, m = make_value_update_fn(None, ValueSettings(clip=0.1, prompt_group=4, grad_accum=2))(
+    _state(critic(), tx=linear), vbatch
+  )
+  np.testing.assert_allclose(m["value_loss"], ref_m["value_loss"], rtol=1e-4)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), state.params, ref_state.params)
+
   # A group stays on one batch shard, or the prompts are not shared: 4 groups do not split over 8 data shards.
   assert shares_prompts(16, 6, 4, mesh=mesh) and not shares_prompts(16, 6, 4, mesh=build_mesh(MeshConfig(8, 1, 1)))
   assert not shares_prompts(16, 1, 4) and not shares_prompts(18, 6, 4) and shares_prompts(16, 6, 4)
@@ -609,7 +652,9 @@ def test_shared_prompts_give_the_per_row_log_probs_and_update_with_less_work():
   c = Config()
   assert prompt_groups(c) == (c.rollout.num_samples, c.rollout.num_samples) and c.rollout.num_samples > 1
   with_algo = lambda **kw: dataclasses.replace(c, algo=dataclasses.replace(c.algo, **kw))  # noqa: E731
-  assert prompt_groups(with_algo(num_minibatches=2)) == (c.rollout.num_samples, 1)
+  assert prompt_groups(with_algo(num_minibatches=2)) == (c.rollout.num_samples, c.rollout.num_samples)
+  # Minibatches that cannot hold whole groups: nothing is shared (and the shuffle deals out rows).
+  assert prompt_groups(with_algo(num_minibatches=c.data.prompts_per_step * 2)) == (1, 1)
   assert prompt_groups(with_algo(share_prompts=False)) == (1, 1)
 
 

@@ -766,10 +766,18 @@ class ValueModel(nnx.Module):
     nnx.update(value.decoder, jax.tree.map(jnp.copy, nnx.state(policy.decoder)))
     return value
 
-  def __call__(self, tokens_bt, *, attention_mask=None, positions=None) -> jax.Array:
+  def hidden(self, tokens_bt, *, attention_mask=None, positions=None) -> tuple[jax.Array, None]:
+    """Final-normed hidden states ``[B, T, D]`` (and no cache), as :meth:`Transformer.hidden`."""
     if attention_mask is None:
       attention_mask = jnp.ones(tokens_bt.shape, bool)
     if positions is None:
       positions = positions_from_mask(attention_mask)
-    hidden, _ = self.decoder(tokens_bt, positions, attention_mask)
-    return jnp.einsum("BTD,D->BT", hidden.astype(jnp.float32), self.value_head_d[...]) + self.value_bias[...]
+    return self.decoder(tokens_bt, positions, attention_mask)
+
+  def values_from_hidden(self, hidden_btd: jax.Array) -> jax.Array:
+    """The scalar head: float32 ``[B, T]``."""
+    return jnp.einsum("BTD,D->BT", hidden_btd.astype(jnp.float32), self.value_head_d[...]) + self.value_bias[...]
+
+  def __call__(self, tokens_bt, *, attention_mask=None, positions=None) -> jax.Array:
+    hidden, _ = self.hidden(tokens_bt, attention_mask=attention_mask, positions=positions)
+    return self.values_from_hidden(hidden)

@@ -183,16 +183,16 @@ def prompt_groups(cfg: Config, mesh: Mesh | None = None) -> tuple[int, int]:
   The rollout lays a prompt's ``num_samples`` rows out contiguously with equal prompt tokens
   (:class:`Experience`), so the learner can run each prompt once: in every pass whose row chunks
   (``num_minibatches x grad_accum`` micro-batches) hold whole groups that split over ``mesh``'s
-  batch shards as the rows do, and in the update only without the row shuffle of
-  ``num_minibatches > 1``.  At one new token there is nothing to share (the prompt's last position
-  is the only one scored).  The learner's programs decide the same at trace time
+  batch shards as the rows do.  The updates' minibatch shuffle then deals out whole groups
+  (``steps.minibatch_order``).  At one new token there is nothing to share (the prompt's last
+  position is the only one scored).  The learner's programs decide the same at trace time
   (``models.logprobs.shares_prompts``); the compute ledger counts what this returns.
   """
   a, N = cfg.algo, cfg.rollout.num_samples
   rows = cfg.data.prompts_per_step * N // (a.num_minibatches * a.grad_accum)
   if not a.share_prompts or not shares_prompts(rows, cfg.rollout.max_new_tokens, N, mesh=mesh):
     return 1, 1
-  return N, (N if a.num_minibatches == 1 else 1)
+  return N, N
 
 
 def advantage_settings(cfg: Config) -> AdvantageSettings:
@@ -214,7 +214,7 @@ def advantage_settings(cfg: Config) -> AdvantageSettings:
   )
 
 
-def value_settings(cfg: Config) -> ValueSettings:
+def value_settings(cfg: Config, mesh: Mesh | None = None) -> ValueSettings:
   a = cfg.algo
   return ValueSettings(
     clip=a.value_clip,
@@ -222,6 +222,7 @@ def value_settings(cfg: Config) -> ValueSettings:
     agg_norm=float(cfg.rollout.max_new_tokens),
     num_minibatches=a.num_minibatches,
     grad_accum=a.grad_accum,
+    prompt_group=prompt_groups(cfg, mesh)[1],
   )
 
 
@@ -427,8 +428,9 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
     use_kl=use_kl,
   )
   value_tx = value_optimizer(cfg) if use_value else None
-  values_of = make_value_fn(value_graphdef, mesh, micro_batches=micro) if use_value else None
-  value_update = make_value_update_fn(mesh, value_settings(cfg)) if use_value else None
+  score_group = prompt_groups(cfg, mesh)[0]
+  values_of = make_value_fn(value_graphdef, mesh, micro_batches=micro, prompt_group=score_group) if use_value else None
+  value_update = make_value_update_fn(mesh, value_settings(cfg, mesh)) if use_value else None
   warmup = a.value_warmup_steps
   correction = is_correction(cfg)
 

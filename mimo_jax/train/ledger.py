@@ -15,7 +15,7 @@ length and completion length; padding is not counted), for what the trainer runs
 - ``reference``: the same forward of the frozen reference (when there is one).
 - ``learn``: forward + backward (3 forwards' worth; 4 with ``--remat=full``, which recomputes the
   forward in the backward) of the policy per PPO epoch, and of the critic per value pass, plus the
-  critic's forward for the values.
+  critic's forward for the values (the critic's passes share prompts as the policy's do).
 
 A forward over ``T`` tokens with ``S`` attended keys in all (summed over the queries) and ``O``
 output positions costs ``T * 2 * L * (D*N*H + 2*D*K*H + N*H*D + 3*D*F) + 4 * L * N * H * S + 2 * D * V * O``
@@ -177,8 +177,10 @@ class Ledger:
     policy = pc.score(prompt_len, completion_len, group=self.update_group)
     learn = self.backward_factor * self.epochs * policy if trained else 0
     if self.use_value:
-      value = pc.score(prompt_len, completion_len, head="value")
-      learn += value + self.backward_factor * value_passes * value
+      # The critic's passes share prompts as the policy's do: its forward as the score pass, its updates as the update.
+      value = pc.score(prompt_len, completion_len, head="value", group=self.score_group)
+      value_update = pc.score(prompt_len, completion_len, head="value", group=self.update_group)
+      learn += value + self.backward_factor * value_passes * value_update
     out["flops_learn"] = float(learn)
     out["flops_step"] = sum(out.values())
     out["device_s_generate"] = time_generate_s * self.rollout_devices

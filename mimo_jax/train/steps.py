@@ -18,9 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from mimo_jax import sharding
-from mimo_jax.models.logprobs import completion_logprobs, completion_stats
+from mimo_jax.models.logprobs import completion_hidden, completion_logprobs, completion_stats
 from mimo_jax.models.reference import dense_reference
-from mimo_jax.models.transformer import positions_from_mask
 from mimo_jax.optim import TrainState, apply_gradients
 from mimo_jax.rl.advantages import gae, group_advantages, masked_mean, masked_var, masked_whiten
 from mimo_jax.rl.controllers import ControllerState, DynamicCoefs, overlong_shaping, shape_rewards
@@ -89,8 +88,9 @@ class UpdateSettings:
     num_minibatches: optimizer updates per pass.
     grad_accum: micro-batches per minibatch.
     logprob_impl: the ``fused`` streaming kernel (default) or ``full`` logits for log-probs/entropy.
-    prompt_group: rows per shared prompt (``models.logprobs.completion_stats``; 1: none). Used only
-      without a row shuffle (``num_minibatches == 1``), which would split the groups.
+    prompt_group: rows per shared prompt (``models.logprobs.completion_stats``; 1: none), and the
+      unit the minibatch shuffle deals out: with ``num_minibatches > 1`` whole runs of this many
+      rows are shuffled, so every minibatch holds whole groups.
   """
 
   policy_loss: str = "ppo"
@@ -106,6 +106,23 @@ class UpdateSettings:
   grad_accum: int = 1
   logprob_impl: str = "fused"
   prompt_group: int = 1
+
+
+def minibatch_order(rng: jax.Array, rows: int, num_minibatches: int, group: int = 1) -> jax.Array:
+  """The row order of one pass over ``rows`` rows split into ``num_minibatches`` minibatches.
+
+  One minibatch: the rows as they are.  Otherwise a random permutation; with ``group`` > 1 of
+  whole runs of ``group`` contiguous rows (a GRPO group), each kept in order, so that a
+  minibatch holds whole groups and can run each group's prompt once.
+  """
+  if num_minibatches == 1:
+    return jnp.arange(rows)
+  if group <= 1:
+    return jax.random.permutation(rng, rows)
+  if rows % group:
+    raise ValueError(f"{rows} rows do not split into groups of {group}")
+  groups = jax.random.permutation(rng, rows // group)
+  return (groups[:, None] * group + jnp.arange(group)[None, :]).reshape(-1)
 
 
 # ----------------------------------------------------------------------------
@@ -412,7 +429,7 @@ def policy_objective(
     mb.completion_mask,
     mb.temperature,
     impl=settings.logprob_impl,
-    prompt_group=settings.prompt_group if settings.num_minibatches == 1 else 1,
+    prompt_group=settings.prompt_group,
   )
   mask = mb.completion_mask
   pg_loss, pg_metrics = policy_loss(
@@ -447,7 +464,8 @@ def make_update_fn(mesh: Mesh | None, settings: UpdateSettings):
   """The whole update phase as one jitted, state-donating function.
 
   ``(state, batch, coefs) -> (state, metrics)``: ``settings.epochs`` passes, each
-  shuffling the batch (with a key split from ``state.rng``) into
+  shuffling the batch (with a key split from ``state.rng``; whole groups of
+  ``settings.prompt_group`` rows, see :func:`minibatch_order`) into
   ``settings.num_minibatches`` minibatches, each accumulated over
   ``settings.grad_accum`` micro-batches, each minibatch one guarded optimizer update.
   Metrics are averaged over the updates (maxima for ``*_max``).
@@ -477,7 +495,7 @@ def make_update_fn(mesh: Mesh | None, settings: UpdateSettings):
     def epoch(state, _):
       rng, perm_rng = jax.random.split(state.rng)
       state = state.replace(rng=rng)
-      perm = jax.random.permutation(perm_rng, B) if settings.num_minibatches > 1 else jnp.arange(B)
+      perm = minibatch_order(perm_rng, B, settings.num_minibatches, settings.prompt_group)
       minibatches = _split_rows(jax.tree.map(lambda x: x[perm], batch), settings.num_minibatches)
       return jax.lax.scan(lambda s, mb: minibatch_update(s, coefs, mb), state, minibatches)
 
@@ -524,6 +542,8 @@ class ValueSettings:
     agg_norm: the constant of ``seq-mean-token-sum-norm``.
     num_minibatches: optimizer updates per pass.
     grad_accum: micro-batches per minibatch.
+    prompt_group: rows per shared prompt, and the unit of the minibatch shuffle (as
+      :class:`UpdateSettings`').
   """
 
   clip: float = 0.2
@@ -531,29 +551,34 @@ class ValueSettings:
   agg_norm: float | None = None
   num_minibatches: int = 1
   grad_accum: int = 1
+  prompt_group: int = 1
 
 
-def completion_values(value_model, prompt_tokens, prompt_mask, completion_tokens, completion_mask) -> jax.Array:
+def completion_values(
+  value_model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, prompt_group: int = 1
+) -> jax.Array:
   """Value predictions ``[B, M]`` for the state *before* each completion token (0 where masked).
 
   Position ``P - 1 + t`` has seen the prompt and the first ``t`` completion tokens, the
-  state in which token ``t`` is chosen (the same positions that predict it).
+  state in which token ``t`` is chosen (the same positions that predict it).  ``prompt_group``
+  > 1: each run of that many rows shares one prompt, run once
+  (:func:`mimo_jax.models.logprobs.completion_hidden`).
   """
-  P, M = prompt_tokens.shape[1], completion_tokens.shape[1]
-  tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
-  mask = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)
-  values = value_model(tokens, attention_mask=mask, positions=positions_from_mask(mask))
-  return jnp.where(completion_mask, values[:, P - 1 : P - 1 + M].astype(jnp.float32), 0.0)
+  hidden = completion_hidden(value_model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, prompt_group)
+  return jnp.where(completion_mask, value_model.values_from_hidden(hidden), 0.0)
 
 
-def make_value_fn(graphdef: Any, mesh: Mesh | None, *, micro_batches: int = 1):
-  """A jitted ``(value_params, SequenceBatch) -> values [B, M]`` over ``micro_batches`` row chunks."""
+def make_value_fn(graphdef: Any, mesh: Mesh | None, *, micro_batches: int = 1, prompt_group: int = 1):
+  """A jitted ``(value_params, SequenceBatch) -> values [B, M]`` over ``micro_batches`` row chunks
+  (``prompt_group``: rows per shared prompt, as in :func:`make_score_fn`)."""
 
   def values(params, batch: SequenceBatch):
     def chunk(b: SequenceBatch):
       with _rules(mesh):
         model = nnx.merge(graphdef, params)
-        return completion_values(model, b.prompt_tokens, b.prompt_mask, b.completion_tokens, b.completion_mask)
+        return completion_values(
+          model, b.prompt_tokens, b.prompt_mask, b.completion_tokens, b.completion_mask, prompt_group
+        )
 
     return _map_rows(chunk, batch, micro_batches)
 
@@ -571,7 +596,9 @@ def make_value_update_fn(mesh: Mesh | None, settings: ValueSettings):
 
   def objective(params, graphdef, mb: ValueBatch, num_tokens, num_seqs):
     model = nnx.merge(graphdef, params)
-    values = completion_values(model, mb.prompt_tokens, mb.prompt_mask, mb.completion_tokens, mb.completion_mask)
+    values = completion_values(
+      model, mb.prompt_tokens, mb.prompt_mask, mb.completion_tokens, mb.completion_mask, settings.prompt_group
+    )
     loss, metrics = value_loss(
       values,
       mb.old_values,
@@ -606,7 +633,7 @@ def make_value_update_fn(mesh: Mesh | None, settings: ValueSettings):
     B = batch.returns.shape[0]
     rng, perm_rng = jax.random.split(state.rng)
     state = state.replace(rng=rng)
-    perm = jax.random.permutation(perm_rng, B) if settings.num_minibatches > 1 else jnp.arange(B)
+    perm = minibatch_order(perm_rng, B, settings.num_minibatches, settings.prompt_group)
     minibatches = _split_rows(jax.tree.map(lambda x: x[perm], batch), settings.num_minibatches)
     state, metrics = jax.lax.scan(minibatch_update, state, minibatches)
     return state, {k: jnp.mean(v) for k, v in metrics.items()}
