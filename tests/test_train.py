@@ -335,6 +335,25 @@ def test_update_benchmark_times_the_learner_program():
   (record,) = update.run(args)
   assert record["program"] == "learn" and record["logprob_impl"] == "fused" and np.isfinite(record["loss"])
   assert record["devices"] == jax.device_count()
+  # The ledger's count of the step's work, its rate per device, and no MFU on a CPU (no known peak).
+  rate = record["model_flops_per_step"] / record["step_s"] / record["devices"] / 1e12
+  assert record["model_flops_per_step"] > 0 and record["model_tflops_per_device"] == pytest.approx(rate, rel=0.01)
+  assert "mfu" not in record
+
+
+def test_accelerator_peaks_match_the_most_specific_kind():
+  from types import SimpleNamespace
+
+  from mimo_jax.bench.devices import peak
+
+  kinds = {
+    "NVIDIA H100 80GB HBM3": (989.4, 3350.0),
+    "NVIDIA H100 PCIe": (756.0, 2000.0),
+    "NVIDIA H200": (989.4, 4800.0),
+  }
+  for kind, (tflops, gbps) in kinds.items():
+    assert peak(SimpleNamespace(device_kind=kind)) == {"device_kind": kind, "bf16_tflops": tflops, "hbm_gbps": gbps}
+  assert peak(SimpleNamespace(device_kind="cpu")) is None and peak() is None  # this host's CPU devices
 
 
 def test_grpo_step_benchmark_times_the_trainers_step_and_its_programs():
@@ -382,6 +401,13 @@ def test_generate_benchmark_alternates_with_transformers_on_identical_weights(tm
   for r in records:
     assert r["model"] == "tunix" and r["greedy_token_agreement_with_hf"] == 1.0
     assert r["layer_copy"] == "kept"  # the default: rollout.generate's sampler
+    # A decode step reads every weight but the embedding table (untied: 2 layers of d 64, MLP 128, 8 / 4 heads of
+    # 16, the final norm and a [64, 512] head) and all 8 + 5 slots of both caches, in float32.
+    layer = 64 * 8 * 16 + 2 * 64 * 4 * 16 + 8 * 16 * 64 + 3 * 64 * 128 + 2 * 64
+    weights, cache = 2 * layer + 64 + 64 * 512, 2 * 2 * r["batch"] * 4 * 16 * 13
+    assert r["mimo-jax"]["decode_bytes_per_step"] == 4 * (weights + cache)
+    rate = 4 * (weights + cache) * r["mimo-jax"]["decode_tok_s"] / r["batch"] / 1e9
+    assert r["mimo-jax"]["decode_gbps"] == pytest.approx(rate, abs=0.01) and "hbm_share" not in r["mimo-jax"]
     for side in ("mimo-jax", "transformers"):
       assert len(r[side]) and r[side]["total_s"]["min"] <= r[side]["total_s"]["median"] <= r[side]["total_s"]["max"]
     assert np.isfinite(r["ratio_total_hf_over_ours"]) and np.isfinite(r["ratio_prefill_hf_over_ours"])

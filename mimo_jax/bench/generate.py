@@ -1,11 +1,11 @@
 """Generation throughput: mimo-jax KV-cache sampler vs transformers vs a no-cache baseline.
 
-    python -m mimo_jax.bench.generate [--preset small|tunix] [--batch 1,16,64] [--prompt_len 64]
+    python -m mimo_jax.bench.generate [--preset small|tunix] [--batch 1,16,64] [--prompt_len 64] [--dtype float32]
                                       [--new_tokens 64] [--repeats 3] [--json_out FILE]
                                       [--num_layers N --d_model D ...]
 
 All three run greedy decoding on identical weights (our random init, exported with
-``save_hf`` and loaded by ``transformers``, float32, torch threads = usable cores) and
+``save_hf`` and loaded by ``transformers``, float32 unless ``--dtype``, torch threads = usable cores) and
 identical prompt batches, in one process, with EOS off.  ``--preset tunix`` is the shape
 of the GRPO benchmark against Tunix (4 layers, d_model 256, MLP 1024, 8 query / 4 KV heads
 of 32, vocabulary 512); the shape flags override any preset's fields.
@@ -15,7 +15,9 @@ so a machine that drifts drifts for both): a call limited to one new token (pref
 first token included) and the full call.  Decode throughput is the difference.  Reported
 per side: the medians over ``--repeats`` rounds and their (min, max); the ratio is
 transformers' median total time over ours (> 1: we are faster).  Greedy tokens are
-compared position by position.  Output: a table and one JSON line per batch size (also
+compared position by position.  For our decode: the bytes a step reads (every weight it multiplies
+by, and all ``P + M`` slots of every layer's KV cache) and the rate that implies, against the HBM
+bandwidth of a known accelerator (``mimo_jax.bench.devices``).  Output: a table and one JSON line per batch size (also
 written to ``--json_out``).
 """
 
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mimo_jax.bench.devices import peak
 from mimo_jax.bench.grpo_step import TUNIX_SHAPE as _PEER_SHAPE
 from mimo_jax.models import Transformer, get_preset, save_hf
 from mimo_jax.rollout import Sampler, SamplingParams, left_pad
@@ -70,11 +73,11 @@ def ours(model, prompts, new_tokens, keep_layer_copy=True):
   return (lambda n: run(n)), np.asarray(out.completion_tokens)
 
 
-def transformers_side(path, prompts, new_tokens):
+def transformers_side(path, prompts, new_tokens, dtype="float32"):
   import torch
   import transformers
 
-  model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+  model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
   model.eval()
   ids = torch.tensor(prompts)
   attn = torch.ones_like(ids)
@@ -114,6 +117,17 @@ def no_cache_seconds(model, prompts, new_tokens) -> tuple[float, np.ndarray]:
   return seconds, np.asarray(decode(state, buf))[:, P:]
 
 
+def decode_bytes_per_step(cfg, batch: int, cache_slots: int, cache_itemsize: int | None = None) -> int:
+  """Bytes one decode step reads: the weights it multiplies by (all but the embedding table, of which
+  it gathers ``batch`` rows, unless the table is also the unembedding) and every layer's keys and
+  values over all ``cache_slots`` slots (the loop attends over the whole buffer, masked)."""
+  param_size = np.dtype(cfg.param_dtype).itemsize
+  cache_size = cache_itemsize or np.dtype(cfg.dtype).itemsize
+  weights = cfg.num_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+  cache = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cfg.resolved_head_dim * cache_slots
+  return weights * param_size + cache * cache_size
+
+
 def _stats(values: list[float]) -> dict:
   return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -135,7 +149,7 @@ def model_config(args: argparse.Namespace):
   else:
     cfg = get_preset(args.preset)
   overrides = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None}
-  return cfg.replace(param_dtype="float32", dtype="float32", remat="none", **overrides)
+  return cfg.replace(param_dtype=args.dtype, dtype=args.dtype, remat="none", **overrides)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -144,6 +158,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   for name in SHAPE_FLAGS:
     parser.add_argument(f"--{name}", type=int, default=None, help="overrides the preset's field")
   parser.add_argument("--batch", default="1,16,64")
+  parser.add_argument(
+    "--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and compute (and the KV cache)"
+  )
   parser.add_argument("--prompt_len", type=int, default=64)
   parser.add_argument("--new_tokens", type=int, default=64)
   parser.add_argument("--repeats", type=int, default=3, help="alternating rounds per batch size")
@@ -197,7 +214,7 @@ def main(argv=None):
     N, P = args.new_tokens, args.prompt_len
     sides = {"mimo-jax": ours(model, prompts, N, keep_layer_copy=args.layer_copy == "kept")}
     if not args.no_baselines:
-      sides["transformers"] = transformers_side(tmp, prompts, N)
+      sides["transformers"] = transformers_side(tmp, prompts, N, args.dtype)
     times = {name: ([], []) for name in sides}
     for _ in range(args.repeats):
       for name, (run, _) in sides.items():
@@ -206,6 +223,11 @@ def main(argv=None):
     rows = {name: _rates(B, P, N, *times[name]) for name in sides}
     record: dict = {"batch": B, "prompt_len": P, "new_tokens": N, "repeats": args.repeats, "model": cfg.name}
     record.update(layer_copy=args.layer_copy, **rows)
+    step_bytes = decode_bytes_per_step(cfg, B, P + N)
+    gbps = step_bytes * rows["mimo-jax"]["decode_tok_s"] / B / 1e9
+    record["mimo-jax"].update(decode_bytes_per_step=step_bytes, decode_gbps=round(gbps, 2))
+    if device_peak := peak():
+      record["mimo-jax"].update(hbm_share=round(gbps / device_peak["hbm_gbps"], 4), peak=device_peak)
     if "transformers" in rows:
       record["greedy_token_agreement_with_hf"] = float(np.mean(sides["mimo-jax"][1] == sides["transformers"][1]))
       record["ratio_total_hf_over_ours"] = (

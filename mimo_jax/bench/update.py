@@ -12,6 +12,9 @@ memory after the timed steps (where the backend reports it; the allocator's high
 per process, so only the first implementation's peak is its own: run one ``--impls`` value per
 process for clean peaks), median step seconds over ``--repeats`` steps after a warm-up, and
 completion tokens per second. The fused rows report their ratios to the first implementation.
+The step's model FLOPs are the compute ledger's count of what the learner runs (its passes, with
+prompts shared as they are; the trainer logs the same as ``flops_*``); their rate per device, and on
+a known accelerator its share of the bf16 peak (MFU, ``mimo_jax.bench.devices``).
 Output: one JSON line per implementation.
 """
 
@@ -29,11 +32,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mimo_jax.bench.devices import peak
 from mimo_jax.main import parse_config
 from mimo_jax.models import Transformer, create_sharded
 from mimo_jax.optim import TrainState, commit_like_params
 from mimo_jax.sharding import build_mesh
-from mimo_jax.train.learner import Experience, Faults, LearnerState, build_learner, init_controller_state
+from mimo_jax.train.learner import (
+  Experience,
+  Faults,
+  LearnerState,
+  build_learner,
+  build_ledger,
+  init_controller_state,
+)
 
 GiB = 2**30
 GROUP = 4
@@ -132,6 +143,12 @@ def run(args: argparse.Namespace) -> list[dict]:
       jax.block_until_ready(metrics)
       times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
+    counts = build_ledger(cfg, mesh, model_cfg).step(
+      np.asarray(exp.prompt_mask).sum(axis=1), np.asarray(exp.completion_mask).sum(axis=1)
+    )
+    flops = counts["flops_score"] + counts["flops_reference"] + counts["flops_learn"]
+    tflops = flops / step_s / mesh.devices.size / 1e12
+    device_peak = peak()
     record = dict(
       preset=model_cfg.name,
       layers=model_cfg.num_layers,
@@ -151,6 +168,9 @@ def run(args: argparse.Namespace) -> list[dict]:
       step_s=round(step_s, 4),
       step_s_spread=[round(min(times), 4), round(max(times), 4)],
       completion_tokens_per_s=round(tokens / step_s),
+      model_flops_per_step=float(f"{flops:.6g}"),
+      model_tflops_per_device=float(f"{tflops:.4g}"),
+      **({"mfu": float(f"{tflops / device_peak['bf16_tflops']:.4g}"), "peak": device_peak} if device_peak else {}),
       loss=float(metrics["train"]["loss"]),
     )
     if records:

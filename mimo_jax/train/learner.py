@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from mimo_jax import multihost, sharding
 from mimo_jax.config import Config
+from mimo_jax.models.config import ModelConfig
 from mimo_jax.models.logprobs import shares_prompts
 from mimo_jax.optim import TrainState, make_optimizer
 from mimo_jax.rl.controllers import (
@@ -43,6 +44,7 @@ from mimo_jax.rl.controllers import (
   update_controllers,
 )
 from mimo_jax.rl.importance import behaviour_gap, importance_weights
+from mimo_jax.train.ledger import FlopCounter, Ledger
 from mimo_jax.train.steps import (
   AdvantageInputs,
   AdvantageSettings,
@@ -291,6 +293,26 @@ def sampler_behaviour(cfg: Config) -> bool:
   if mode == "recompute":
     return False
   return cfg.rollout.staleness == 0 if mode == "auto" else True
+
+
+def build_ledger(cfg: Config, mesh: Mesh | None, model_cfg: ModelConfig, *, rollout_devices: int = 1) -> Ledger:
+  """The compute ledger of a run with this config: FLOPs of each phase as this learner runs them
+  (which passes run, which share prompts) and device-seconds on ``mesh`` (the learner's devices)
+  and ``rollout_devices``."""
+  score_group, update_group = prompt_groups(cfg, mesh)
+  return Ledger(
+    FlopCounter.of(model_cfg),
+    use_reference=uses_kl(cfg),
+    use_value=cfg.algo.use_value_model,
+    use_behaviour_pass=not sampler_behaviour(cfg),
+    epochs=cfg.algo.ppo_epochs,
+    remat_full=model_cfg.remat == "full",
+    rollout_devices=rollout_devices,
+    learner_devices=1 if mesh is None else mesh.devices.size,
+    sample_group=cfg.rollout.num_samples,
+    score_group=score_group,
+    update_group=update_group,
+  )
 
 
 def rl_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:

@@ -57,14 +57,12 @@ from mimo_jax.train.learner import (
   LearnerState,
   abstract_experience,
   build_learner,
+  build_ledger,
   compile_ahead,
   init_controller_state,
   place_experience,
-  prompt_groups,
-  sampler_behaviour,
   uses_kl,
 )
-from mimo_jax.train.ledger import FlopCounter, Ledger
 from mimo_jax.train.logger import MetricsLogger, device_memory, format_progress, histogram_quantiles
 from mimo_jax.train.rollout_worker import RolloutWorker, digest, train_pool
 from mimo_jax.train.samples import select_samples
@@ -313,19 +311,8 @@ class RLRun:
     self.alarm_rollbacks = 0
     self.reshuffled = False  # a reward-jitter alarm broke the fixed prompt order
     # ---- the compute ledger: FLOPs and device-seconds by phase, totals checkpointed with the run
-    score_group, update_group = prompt_groups(cfg, self.mesh)
-    self.ledger = Ledger(
-      FlopCounter.of(self.model_cfg),
-      use_reference=self.use_kl,
-      use_value=self.use_value,
-      use_behaviour_pass=not sampler_behaviour(cfg),
-      epochs=cfg.algo.ppo_epochs,
-      remat_full=self.model_cfg.remat == "full",
-      rollout_devices=(self.rollout_mesh or self.mesh).devices.size,
-      learner_devices=self.mesh.devices.size,
-      sample_group=cfg.rollout.num_samples,
-      score_group=score_group,
-      update_group=update_group,
+    self.ledger = build_ledger(
+      cfg, self.mesh, self.model_cfg, rollout_devices=(self.rollout_mesh or self.mesh).devices.size
     )
 
     # ---- checkpoints, logs, host-side bookkeeping
