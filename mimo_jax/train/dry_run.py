@@ -277,6 +277,7 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
     "generate",
     lambda: sampler._generate.lower(
       gen_params,
+      None,  # no kept per-layer weights: the trainer's sampler copies them inside the call
       _sds((Np, P), jnp.int32, gen_mesh, ("batch", None)),
       _sds((Np, P), bool, gen_mesh, ("batch", None)),
       _sds((B,), jnp.float32, gen_mesh, ("batch",)),
