@@ -145,6 +145,34 @@ def test_a_kept_layer_copy_is_reused_only_while_the_weights_are_unchanged():
     Sampler(a, keep_layer_copy=True, unrolled_decode=False)
 
 
+def test_convenience_generate_does_not_keep_a_dropped_model_alive():
+  """rollout.generate's sampler (and its per-layer copy of the weights) goes with the model: a model
+  the caller drops is freed, arrays and all, while a live one keeps its sampler between calls."""
+  import gc
+  import weakref
+
+  from mimo_jax.rollout import sampler as sampler_lib
+
+  cfg = tiny()
+  kept = Transformer(cfg, rngs=nnx.Rngs(1))
+  generate(kept, PROMPTS, max_new_tokens=4, temperature=0.0)
+  first = sampler_lib._SAMPLERS[id(kept)][1]
+  generate(kept, PROMPTS, max_new_tokens=4, temperature=0.0)
+  assert sampler_lib._SAMPLERS[id(kept)][1] is first
+
+  dropped = Transformer(cfg, rngs=nnx.Rngs(2))
+  generate(dropped, PROMPTS, max_new_tokens=4, temperature=0.0)
+  key = id(dropped)
+  model_ref = weakref.ref(dropped)
+  sampler_ref = weakref.ref(sampler_lib._SAMPLERS[key][1])
+  weight_ref = weakref.ref(jax.tree.leaves(nnx.state(dropped))[0])
+  assert sampler_ref()._layer_copy is not None
+  del dropped
+  gc.collect()
+  assert model_ref() is None and sampler_ref() is None and weight_ref() is None
+  assert key not in sampler_lib._SAMPLERS and id(kept) in sampler_lib._SAMPLERS
+
+
 def test_per_layer_cache_decode_step_equals_the_stacked_one(model):
   """One cached step through Transformer.__call__: a per-layer cache (with and without
   weights sliced in advance) gives the stacked cache's logits and cache contents."""

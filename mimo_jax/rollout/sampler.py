@@ -25,6 +25,7 @@ generation rules (batch over data/fsdp, KV heads over tensor).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 
 import flax.struct
@@ -417,14 +418,21 @@ def _constrain_cache(cache: KVCache) -> KVCache:
 DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
-_SAMPLERS: dict[int, tuple[object, Sampler]] = {}
+# The samplers of ``generate``, one per live model: an entry holds its model weakly and goes with it
+# (the sampler holds only the model's arrays, and a kept per-layer copy of them).
+_SAMPLERS: dict[int, tuple[weakref.ref, Sampler]] = {}
 
 
 def _get_sampler(model: Transformer, mesh: Mesh | None, keep_layer_copy: bool) -> Sampler:
-  entry = _SAMPLERS.get(id(model))
-  if entry is None or entry[0] is not model or entry[1].mesh is not mesh or entry[1].keep_layer_copy != keep_layer_copy:
-    entry = (model, Sampler(model, mesh=mesh, keep_layer_copy=keep_layer_copy))
-    _SAMPLERS[id(model)] = entry
+  key = id(model)
+  entry = _SAMPLERS.get(key)
+  if (
+    entry is None or entry[0]() is not model or entry[1].mesh is not mesh or entry[1].keep_layer_copy != keep_layer_copy
+  ):
+    if entry is None or entry[0]() is not model:
+      weakref.finalize(model, _SAMPLERS.pop, key, None)
+    entry = (weakref.ref(model), Sampler(model, mesh=mesh, keep_layer_copy=keep_layer_copy))
+    _SAMPLERS[key] = entry
   else:
     entry[1].update_params(model)
   return entry[1]
