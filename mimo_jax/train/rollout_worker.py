@@ -470,7 +470,9 @@ class RolloutWorker:
       completion_tokens=rollout.completion_tokens,
       completion_mask=rollout.completion_mask,
       lengths=rollout.lengths,
-      truncated=rollout.finish_reason == FINISH_LENGTH,
+      # On the host, as the reward read it (an eager device comparison would compile a program of its own
+      # at the first step, beside the learner's compilation).
+      truncated=multihost.to_host(rollout.finish_reason) == FINISH_LENGTH,
       rewards=np.asarray(rewards.values, np.float32),
       reward_components={k: np.asarray(v, np.float32) for k, v in sorted(rewards.components.items())},
       logprobs=rollout.logprobs,
