@@ -156,15 +156,15 @@ def test_convenience_generate_does_not_keep_a_dropped_model_alive():
   cfg = tiny()
   kept = Transformer(cfg, rngs=nnx.Rngs(1))
   generate(kept, PROMPTS, max_new_tokens=4, temperature=0.0)
-  first = sampler_lib._SAMPLERS[id(kept)][1]
+  first = sampler_lib._SAMPLERS[id(kept)]
   generate(kept, PROMPTS, max_new_tokens=4, temperature=0.0)
-  assert sampler_lib._SAMPLERS[id(kept)][1] is first
+  assert sampler_lib._SAMPLERS[id(kept)] is first
 
   dropped = Transformer(cfg, rngs=nnx.Rngs(2))
   generate(dropped, PROMPTS, max_new_tokens=4, temperature=0.0)
   key = id(dropped)
   model_ref = weakref.ref(dropped)
-  sampler_ref = weakref.ref(sampler_lib._SAMPLERS[key][1])
+  sampler_ref = weakref.ref(sampler_lib._SAMPLERS[key])
   weight_ref = weakref.ref(jax.tree.leaves(nnx.state(dropped))[0])
   assert sampler_ref()._layer_copy is not None
   del dropped

@@ -418,24 +418,22 @@ def _constrain_cache(cache: KVCache) -> KVCache:
 DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
-# The samplers of ``generate``, one per live model: an entry holds its model weakly and goes with it
-# (the sampler holds only the model's arrays, and a kept per-layer copy of them).
-_SAMPLERS: dict[int, tuple[weakref.ref, Sampler]] = {}
+# The samplers of ``generate``, one per live model, by its id: an entry leaves with its model
+# (``weakref.finalize``), so the id is never another model's, and the sampler (which holds the model's
+# arrays and a kept per-layer copy of them) never outlives it.
+_SAMPLERS: dict[int, Sampler] = {}
 
 
 def _get_sampler(model: Transformer, mesh: Mesh | None, keep_layer_copy: bool) -> Sampler:
   key = id(model)
-  entry = _SAMPLERS.get(key)
-  if (
-    entry is None or entry[0]() is not model or entry[1].mesh is not mesh or entry[1].keep_layer_copy != keep_layer_copy
-  ):
-    if entry is None or entry[0]() is not model:
-      weakref.finalize(model, _SAMPLERS.pop, key, None)
-    entry = (weakref.ref(model), Sampler(model, mesh=mesh, keep_layer_copy=keep_layer_copy))
-    _SAMPLERS[key] = entry
+  sampler = _SAMPLERS.get(key)
+  if sampler is None:
+    weakref.finalize(model, _SAMPLERS.pop, key, None)
+  if sampler is None or sampler.mesh is not mesh or sampler.keep_layer_copy != keep_layer_copy:
+    sampler = _SAMPLERS[key] = Sampler(model, mesh=mesh, keep_layer_copy=keep_layer_copy)
   else:
-    entry[1].update_params(model)
-  return entry[1]
+    sampler.update_params(model)
+  return sampler
 
 
 def generate(

@@ -76,6 +76,8 @@ class Rewards:
   Attributes:
     values: float32 ``[B]`` raw rewards (what is logged): the mixed reward of the sources.
     correct: bool ``[B]``, the verifier's verdict.
+    truncated: bool ``[B]``, the completion hit the length limit (read from the sampler once, for the
+      reward and the experience alike).
     texts: the decoded completions.
     metrics: per-component means and failure counts (``reward/...``).
     histograms: per-component raw values (``reward/<name>``), logged as histograms.
@@ -87,6 +89,7 @@ class Rewards:
 
   values: np.ndarray
   correct: np.ndarray
+  truncated: np.ndarray
   texts: list[str]
   metrics: dict[str, float] = dataclasses.field(default_factory=dict)
   histograms: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
@@ -152,7 +155,9 @@ def _select_groups(
     )
     metrics, histograms = batch.metrics(), batch.histograms()
   raw = gather("raw") if all(r[2].raw is not None for r in rounds) else None
-  rewards = Rewards(gather("values"), gather("correct"), texts, metrics, histograms, components, batch, raw)
+  rewards = Rewards(
+    gather("values"), gather("correct"), gather("truncated"), texts, metrics, histograms, components, batch, raw
+  )
   return problems, rollout, rewards
 
 
@@ -351,7 +356,7 @@ class RolloutWorker:
     correct = (batch.components["correct"] > 0) & ~batch.failed["correct"]
     values = np.asarray(batch.rewards, np.float32)
     raw = None if batch.raw_rewards is None else np.asarray(batch.raw_rewards, np.float32)
-    return Rewards(values, correct, texts, batch.metrics(), batch.histograms(), batch.components, batch, raw)
+    return Rewards(values, correct, truncated, texts, batch.metrics(), batch.histograms(), batch.components, batch, raw)
 
   def _reward_own_rows(self, problems, rollout: RolloutOutput, truncated: np.ndarray):
     """A multi-process run's rewards: this host decodes and scores only the rows on its devices; the raw
@@ -470,9 +475,9 @@ class RolloutWorker:
       completion_tokens=rollout.completion_tokens,
       completion_mask=rollout.completion_mask,
       lengths=rollout.lengths,
-      # On the host, as the reward read it (an eager device comparison would compile a program of its own
+      # The host's flags the reward read (an eager device comparison would compile a program of its own
       # at the first step, beside the learner's compilation).
-      truncated=multihost.to_host(rollout.finish_reason) == FINISH_LENGTH,
+      truncated=rewards.truncated,
       rewards=np.asarray(rewards.values, np.float32),
       reward_components={k: np.asarray(v, np.float32) for k, v in sorted(rewards.components.items())},
       logprobs=rollout.logprobs,
