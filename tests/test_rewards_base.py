@@ -430,6 +430,19 @@ def test_scoring_named_sources_only_leaves_the_others_unscored(pool: RewardPool)
     reward.score(samples, ["judge"])
 
 
+def test_a_hosts_own_rows_fail_under_their_batch_rows(pool: RewardPool) -> None:
+  """A host of a multi-process run scores its own rows of the global batch: a failure message names the
+  sample's batch row, not its place in the host's list."""
+  reward = CompositeReward([RewardSource("verify", reward_fns.scripted)], pool=pool)
+  samples = [_sample(value=1.0), _sample(action="raise"), _sample(value=0.5)]
+  raw, failed, errors = reward.score(samples, rows=[16, 17, 18])
+  assert errors == ["verify[17]: ValueError: scripted failure"]
+  assert failed["verify"].tolist() == [False, True, False] and raw["verify"][[0, 2]].tolist() == [1.0, 0.5]
+  assert reward.score(samples)[2] == ["verify[1]: ValueError: scripted failure"]
+  with pytest.raises(ValueError, match="rows names 2 batch rows for 3 samples"):
+    reward.score(samples, rows=[16, 17])
+
+
 def test_metrics_of_a_component_that_applies_nowhere() -> None:
   batch = RewardBatch(
     rewards=np.zeros(2, np.float32),

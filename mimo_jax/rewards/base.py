@@ -930,7 +930,11 @@ class CompositeReward:
     return self.mix(raw, failed, [s.task for s in samples], errors)
 
   def score(
-    self, samples: Sequence[RewardSample], sources: Collection[str] | None = None
+    self,
+    samples: Sequence[RewardSample],
+    sources: Collection[str] | None = None,
+    *,
+    rows: Sequence[int] | None = None,
   ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], list[str]]:
     """The raw components of ``samples`` without mixing them (no running statistics change).
 
@@ -942,6 +946,8 @@ class CompositeReward:
       sources: the names of the sources to call (default all); the others' components are NaN and
         not failed (a multi-process run scores its own rows with the local sources and the whole
         batch with the collective ones, then puts the two together).
+      rows: the batch row of each sample, the index the failure messages name (default its position in
+        ``samples``; a host of a multi-process run scores its own rows of the global batch).
 
     Returns:
       ``(raw, failed, errors)``: per source name, float64 ``[n]`` raw values (NaN where the source does
@@ -952,6 +958,8 @@ class CompositeReward:
       if not isinstance(sample, RewardSample):
         raise TypeError(f"samples[{i}] must be a RewardSample, got {type(sample).__name__}")
     n = len(samples)
+    if rows is not None and len(rows) != n:
+      raise ValueError(f"rows names {len(rows)} batch rows for {n} samples")
     chosen = set(self.names if sources is None else sources)
     unknown = sorted(chosen - set(self.names))
     if unknown:
@@ -1009,7 +1017,8 @@ class CompositeReward:
       raise pool_error[0]
     for (name, i), outcome in zip(where, outcomes, strict=True):
       record(name, i, outcome)
-    messages = [f"{name}[{i}]: {error}" for name in self.names for i, error in errors[name]]
+    row = (lambda i: i) if rows is None else (lambda i: int(rows[i]))
+    messages = [f"{name}[{row(i)}]: {error}" for name in self.names for i, error in errors[name]]
     return raw, failed, messages
 
   def mix(

@@ -364,8 +364,9 @@ class RolloutWorker:
     normaliser's statistics and every metric are the global ones).  Texts of other hosts' rows are None.
 
     Collective sources (a reward model, a judge: one program over every host's devices) are the
-    exception: every host decodes the whole batch and calls them with it after the gather, so all hosts
-    run those programs on the same inputs, in the same order, and get the same values."""
+    exception: every host decodes the whole batch (once; its own rows' texts are taken from it) and calls
+    them with it after the gather, so all hosts run those programs on the same inputs, in the same order,
+    and get the same values."""
     G = self.cfg.rollout.num_samples
     B = int(truncated.shape[0])
     rows = multihost.local_rows(rollout.completion_tokens)
@@ -376,14 +377,18 @@ class RolloutWorker:
         f"rollout rows (rows {_spans(rows)}), the ones on its devices",
         flush=True,
       )
-    own = decode_completions(self.tokenizer, rollout, rows)
     collective = [s.name for s in self.rewarder.sources if s.collective]
+    if collective:  # they take every row's text: the whole batch is decoded once, this host's rows from it
+      every = decode_completions(self.tokenizer, rollout)
+      own = [every[r] for r in rows.tolist()]
+    else:
+      own = decode_completions(self.tokenizer, rollout, rows)
     names = [n for n in self.rewarder.names if n not in collective]
-    raw, failed, errors = self.rewarder.score(reward_samples(problems, own, G, truncated, rows.tolist()), names)
+    samples = reward_samples(problems, own, G, truncated, rows.tolist())
+    raw, failed, errors = self.rewarder.score(samples, names, rows=rows.tolist())
     full = multihost.gather_rows(B, rows, [raw[n] for n in names] + [failed[n] for n in names])
     raw, failed = dict(zip(names, full[: len(names)], strict=True)), dict(zip(names, full[len(names) :], strict=True))
     if collective:
-      every = decode_completions(self.tokenizer, rollout)
       more_raw, more_failed, more_errors = self.rewarder.score(
         reward_samples(problems, every, G, truncated), collective
       )
