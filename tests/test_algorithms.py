@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -294,7 +295,7 @@ def test_ppo_config_files_parse_and_validate():
 # ----------------------------------------------------------------------------
 
 
-def test_a_raising_reward_is_a_recorded_failure_and_the_run_goes_on(tmp_path):
+def test_a_raising_reward_is_a_recorded_failure_and_the_run_goes_on(tmp_path, capsys):
   run, state = _scripted_run(tmp_path)
   verify = run.task.reward
 
@@ -304,9 +305,18 @@ def test_a_raising_reward_is_a_recorded_failure_and_the_run_goes_on(tmp_path):
     return verify(problem, text)
 
   run.task.reward = flaky  # the composite reward calls the task's verifier in-process (--reward_workers=0)
+  capsys.readouterr()
   state, (record, hist, _) = run.step(state, 0)
   assert record["reward/failures"] > 0 and record["reward/correct_fail_frac"] > 0
   assert np.isfinite(record["reward_mean"]) and np.isfinite(record["loss"])
+  # The run says which source failed, on how many samples, and why (a failing sample's batch row).
+  out = capsys.readouterr().out
+  failures = int(record["reward/failures"])
+  assert f"RL step 0: reward sources failed, each failure counted as 0: correct on {failures} of " in out, out
+  assert re.search(r"correct\[\d+\]: RuntimeError: verifier bug", out), out
+  # A source that keeps failing is not reported again at every step: its fail_frac is in every record.
+  state, (record, *_) = run.step(state, 1)
+  assert record["reward/correct_fail_frac"] > 0 and "reward sources failed" not in capsys.readouterr().out
   run.close()
 
 

@@ -68,6 +68,10 @@ from mimo_jax.train.rollout_worker import RolloutWorker, digest, train_pool
 from mimo_jax.train.samples import select_samples
 from mimo_jax.train.steps import SequenceBatch, make_sft_step
 
+# A reward source that keeps failing is reported (console and log) at most once in this many RL steps; its
+# failures are in every step's reward/<name>_fail_frac.
+REWARD_FAILURES_EVERY = 100
+
 PROGRESS_KEYS = ("reward_mean", "accuracy", "kl_k3", "entropy", "clipfrac", "grad_norm", "response_len", "value_loss")
 
 
@@ -322,6 +326,7 @@ class RLRun:
     self.logger: MetricsLogger | None = None
     self.bad_steps = 0
     self.rollbacks = 0
+    self.reward_failures_reported: dict[str, int] = {}  # source -> the RL step it was last reported at
     self.nonfinite_steps = 0
     self.last_good_step = 0
     self.preempt_requested = False
@@ -821,6 +826,7 @@ class RLRun:
       idle0 = self.rollout.rollout_idle_s
       batch = self.rollout.get(step)
     rollout, rewards, gen_stats, temperature = batch.rollout, batch.rewards, batch.stats, batch.temperature
+    self.report_reward_failures(step, rewards.batch)
     jax.block_until_ready(rollout)
     t1 = time.perf_counter()
     # ---- learn: score -> advantages -> policy update -> critic passes -> controllers (state donated)
@@ -964,6 +970,36 @@ class RLRun:
     self.logger.truncate(meta["log_step"])
     self.worker.update_params(self.rollout_params(restored.params))
     return restored, meta["step"]
+
+  def report_reward_failures(self, step: int, batch: Any) -> None:
+    """Says which reward sources failed on RL step ``step``'s batch (a :class:`RewardBatch`; each failure
+    counts as 0), on how many samples, and why (the first messages of this process's rows): at a source's
+    first failing step, then at most once every ``REWARD_FAILURES_EVERY`` steps while it keeps failing."""
+    if batch is None:
+      return
+    due = [
+      name
+      for name, failed in batch.failed.items()
+      if failed.any()
+      and step - self.reward_failures_reported.get(name, step - REWARD_FAILURES_EVERY) >= REWARD_FAILURES_EVERY
+    ]
+    if not due:
+      return
+    self.reward_failures_reported.update(dict.fromkeys(due, step))
+    counts = ", ".join(
+      f"{name} on {int(np.count_nonzero(batch.failed[name]))} of "
+      f"{int(np.count_nonzero(~np.isnan(batch.components[name])))} samples"
+      for name in due
+    )
+    why = [m for m in batch.errors if m.split("[", 1)[0] in due][:3]
+    message = (
+      f"RL step {step}: reward sources failed, each failure counted as 0: {counts}; "
+      + ("; ".join(why) if why else "this process scored none of the failing rows (the other hosts' logs say why)")
+      + f" (reported again at most every {REWARD_FAILURES_EVERY} steps; reward/<name>_fail_frac logs every step)"
+    )
+    if multihost.is_primary():
+      print(message, flush=True)
+    logging.warning(message)
 
   def on_alarms(self, state: LearnerState, step: int, record: dict[str, Any]) -> tuple[LearnerState, int] | None:
     """Feeds RL step ``step``'s record to the detectors; writes every alarm that fires (``alarms.jsonl``
