@@ -155,6 +155,12 @@ class RolloutConfig:
   )
   top_p: float = field(1.0, "Nucleus sampling mass (1: off).", gt=0, le=1)
   top_k: int = field(0, "Top-k sampling (0: off).", ge=0)
+  unrolled_decode: bool = field(
+    True,
+    "Decode with the layers unrolled over per-layer caches and a per-layer copy of the weights (faster "
+    "steps; a decode program that grows with depth, and the copy in memory while generating); false: the "
+    "scanned layer stack, one layer's program whatever the depth, no copy.",
+  )
   # ---- async rollout
   async_rollout: bool = field(
     False,
@@ -862,6 +868,7 @@ ADDED_SETTINGS = {
     "debug_lr_spike_factor",
     "compile_ahead",
   ),
+  "rollout": ("unrolled_decode",),
   # sft_grad_clip absent: the warm start was clipped at --grad_clip (ADDED_FROM).
   "optim": ("rm_learning_rate", "sft_grad_clip"),
   # Absent reads as auto / shared: each differs from the older behaviour by rounding only, and only in training.

@@ -229,6 +229,26 @@ def test_rl_steps_compile_nothing_after_warmup_and_keep_heldout_out(tmp_path):
   run.close()
 
 
+def test_the_scanned_decode_flag_reaches_the_runs_sampler_and_generates_the_same_rollout(tmp_path):
+  """--unrolled_decode=false: the run's sampler decodes over the scanned layer stack (no per-layer weight
+  copy); the first rollout's tokens are the default unrolled decode's."""
+  from mimo_jax.train.loop import RLRun
+
+  rollouts = {}
+  for flag in ("true", "false"):
+    run = RLRun(_cfg(tmp_path / flag, "--mesh_fsdp=8", f"--unrolled_decode={flag}"), str(tmp_path / flag))
+    run.open_logger(None)
+    try:
+      assert run.sampler.unrolled_decode is (flag == "true")
+      run.worker.update_params(run.rollout_params(run.fresh_state("rl").params))
+      rollouts[flag] = np.asarray(run.worker.produce(0, 0).experience.completion_tokens)
+    finally:
+      run.close()
+  np.testing.assert_array_equal(rollouts["false"], rollouts["true"])
+  with pytest.raises(ConfigError, match="unrolled_decode"):
+    _cfg(tmp_path, "--unrolled_decode=sometimes")
+
+
 def test_end_to_end_run_writes_the_run_directory(tmp_path, capsys):
   path = os.path.join(ROOT, "experiments", "grpo_tiny.flags")
   assert main(["prog", f"--flagfile={path}", f"--run_dir={tmp_path}", *FAST, "--mesh_fsdp=8"]) == 0

@@ -544,8 +544,11 @@ def evaluate_checkpoint(
     ckpt.close()
   graphdef, _ = abstract_state(lambda: Transformer(meta["_model"], rngs=nnx.Rngs(0)))
   model = nnx.merge(graphdef, params)
-  # Fixed weights, many calls: the per-layer copy is made once.
-  factory = rollout_factory or (lambda m, mesh: Sampler(m, mesh=mesh, keep_layer_copy=True))
+  # Fixed weights, many calls: the per-layer copy (of the unrolled decode) is made once.
+  unrolled = cfg.rollout.unrolled_decode
+  factory = rollout_factory or (
+    lambda m, mesh: Sampler(m, mesh=mesh, unrolled_decode=unrolled, keep_layer_copy=unrolled)
+  )
   sampler = factory(model, mesh)
   rows = eval_rows(len(heldout), sampler.batch_shards)
   if max_batch_rows is None:

@@ -271,7 +271,7 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
     times[name] = time.perf_counter() - t
 
   compile_program("learn", lambda: learner.learn.lower(abs_state, exp, step, faults))
-  sampler = Sampler(nnx.merge(graphdef, gen_params), mesh=gen_mesh)
+  sampler = Sampler(nnx.merge(graphdef, gen_params), mesh=gen_mesh, unrolled_decode=cfg.rollout.unrolled_decode)
   gen_replicated = NamedSharding(gen_mesh, PartitionSpec())
   compile_program(
     "generate",

@@ -274,7 +274,8 @@ class RLRun:
     self.graphdef, self._init_params = nnx.split(model)
     rewarder = build_run_reward(cfg, self.task, self.tokenizer, self.mesh)
     self.heldout = self.task.heldout()[: cfg.data.eval_prompts]
-    factory = rollout_factory or (lambda model, mesh: Sampler(model, mesh=mesh))
+    unrolled = cfg.rollout.unrolled_decode
+    factory = rollout_factory or (lambda model, mesh: Sampler(model, mesh=mesh, unrolled_decode=unrolled))
     self._generation_shardings = None
     if self.rollout_mesh is not None:
       self._generation_shardings = sharding.generation_shardings(self._init_params, self.rollout_mesh)
