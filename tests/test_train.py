@@ -609,7 +609,7 @@ def test_shared_prompts_give_the_per_row_log_probs_and_update_with_less_work():
   import dataclasses
 
   from mimo_jax.models.logprobs import shares_prompts
-  from mimo_jax.train.learner import prompt_groups
+  from mimo_jax.train.learner import prompt_group
 
   cfg = tiny()
   single = Transformer(cfg, rngs=nnx.Rngs(3))
@@ -699,12 +699,12 @@ def test_shared_prompts_give_the_per_row_log_probs_and_update_with_less_work():
 
   # Which passes share, from the flags: the shipped default shares both; a row shuffle keeps the update per row.
   c = Config()
-  assert prompt_groups(c) == (c.rollout.num_samples, c.rollout.num_samples) and c.rollout.num_samples > 1
+  assert prompt_group(c) == c.rollout.num_samples > 1
   with_algo = lambda **kw: dataclasses.replace(c, algo=dataclasses.replace(c.algo, **kw))  # noqa: E731
-  assert prompt_groups(with_algo(num_minibatches=2)) == (c.rollout.num_samples, c.rollout.num_samples)
+  assert prompt_group(with_algo(num_minibatches=2)) == c.rollout.num_samples
   # Minibatches that cannot hold whole groups: nothing is shared (and the shuffle deals out rows).
-  assert prompt_groups(with_algo(num_minibatches=c.data.prompts_per_step * 2)) == (1, 1)
-  assert prompt_groups(with_algo(share_prompts=False)) == (1, 1)
+  assert prompt_group(with_algo(num_minibatches=c.data.prompts_per_step * 2)) == 1
+  assert prompt_group(with_algo(share_prompts=False)) == 1
 
 
 def test_the_samplers_behaviour_logprobs_stand_in_for_the_learners_behaviour_pass(tmp_path):

@@ -174,12 +174,12 @@ def update_settings(cfg: Config, mesh: Mesh | None = None) -> UpdateSettings:
     num_minibatches=a.num_minibatches,
     grad_accum=a.grad_accum,
     logprob_impl=a.logprob_impl,
-    prompt_group=prompt_groups(cfg, mesh)[1],
+    prompt_group=prompt_group(cfg, mesh),
   )
 
 
-def prompt_groups(cfg: Config, mesh: Mesh | None = None) -> tuple[int, int]:
-  """Rows per shared prompt in the learner's score pass and in its update (``--share_prompts``; 1:
+def prompt_group(cfg: Config, mesh: Mesh | None = None) -> int:
+  """Rows per shared prompt in the learner's passes, score and update alike (``--share_prompts``; 1:
   every row runs its own prompt).
 
   The rollout lays a prompt's ``num_samples`` rows out contiguously with equal prompt tokens
@@ -193,8 +193,8 @@ def prompt_groups(cfg: Config, mesh: Mesh | None = None) -> tuple[int, int]:
   a, N = cfg.algo, cfg.rollout.num_samples
   rows = cfg.data.prompts_per_step * N // (a.num_minibatches * a.grad_accum)
   if not a.share_prompts or not shares_prompts(rows, cfg.rollout.max_new_tokens, N, mesh=mesh):
-    return 1, 1
-  return N, N
+    return 1
+  return N
 
 
 def advantage_settings(cfg: Config) -> AdvantageSettings:
@@ -224,7 +224,7 @@ def value_settings(cfg: Config, mesh: Mesh | None = None) -> ValueSettings:
     agg_norm=float(cfg.rollout.max_new_tokens),
     num_minibatches=a.num_minibatches,
     grad_accum=a.grad_accum,
-    prompt_group=prompt_groups(cfg, mesh)[1],
+    prompt_group=prompt_group(cfg, mesh),
   )
 
 
@@ -299,7 +299,7 @@ def build_ledger(cfg: Config, mesh: Mesh | None, model_cfg: ModelConfig, *, roll
   """The compute ledger of a run with this config: FLOPs of each phase as this learner runs them
   (which passes run, which share prompts) and device-seconds on ``mesh`` (the learner's devices)
   and ``rollout_devices``."""
-  score_group, update_group = prompt_groups(cfg, mesh)
+  group = prompt_group(cfg, mesh)
   return Ledger(
     FlopCounter.of(model_cfg),
     use_reference=uses_kl(cfg),
@@ -310,8 +310,8 @@ def build_ledger(cfg: Config, mesh: Mesh | None, model_cfg: ModelConfig, *, roll
     rollout_devices=rollout_devices,
     learner_devices=1 if mesh is None else mesh.devices.size,
     sample_group=cfg.rollout.num_samples,
-    score_group=score_group,
-    update_group=update_group,
+    score_group=group,
+    update_group=group,
   )
 
 
@@ -433,7 +433,7 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
     micro_batches=micro,
     reference_offload=a.reference_offload,
     use_policy=not from_sampler,
-    prompt_group=prompt_groups(cfg, mesh)[0],
+    prompt_group=prompt_group(cfg, mesh),
   )
   advantages = make_advantage_fn(advantage_settings(cfg))
   upd_settings = update_settings(cfg, mesh)
@@ -450,8 +450,11 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
     use_kl=use_kl,
   )
   value_tx = value_optimizer(cfg) if use_value else None
-  score_group = prompt_groups(cfg, mesh)[0]
-  values_of = make_value_fn(value_graphdef, mesh, micro_batches=micro, prompt_group=score_group) if use_value else None
+  values_of = (
+    make_value_fn(value_graphdef, mesh, micro_batches=micro, prompt_group=prompt_group(cfg, mesh))
+    if use_value
+    else None
+  )
   value_update = make_value_update_fn(mesh, value_settings(cfg, mesh)) if use_value else None
   warmup = a.value_warmup_steps
   correction = is_correction(cfg)
@@ -643,9 +646,7 @@ def compile_ahead(learner: Learner, state: Any, exp: Experience, *, split: bool)
     return
   scored = learner.score.lower(state, exp).compile()
   scores = jax.tree.map(
-    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-    jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), scored.out_info),
-    scored.output_shardings,
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), scored.out_info, scored.output_shardings
   )
   learner.update.lower(state, exp, scores, step, faults).compile()
 

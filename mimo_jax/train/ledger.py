@@ -118,7 +118,7 @@ class Ledger:
     learner_devices: devices the learner program runs on.
     sample_group: rows per prompt in generation (``--num_samples``: the sampler prefills a prompt once).
     score_group, update_group: rows per shared prompt in the learner's score pass and update
-      (``learner.prompt_groups``; 1: every row runs its own prompt).
+      (``learner.prompt_group``; 1: every row runs its own prompt).
   """
 
   def __init__(
