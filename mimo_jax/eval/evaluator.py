@@ -150,16 +150,14 @@ def summarize(results: Sequence[ProblemResult], ks: Sequence[int]) -> dict[str, 
     ks = _check_ks(ks, lengths.pop())
   out = _metrics(results, ks)
   tasks = sorted({r.task for r in results})
-  if len(tasks) > 1:
-    for name in tasks:
-      group = [r for r in results if r.task == name]
-      out.update({f"{name}/{k}": v for k, v in _metrics(group, ks).items()})
-      out[f"{name}/num_problems"] = float(len(group))
   for name in tasks:
     group = [r for r in results if r.task == name]
+    prefix = f"{name}/" if len(tasks) > 1 else ""
+    if prefix:
+      out.update({f"{prefix}{k}": v for k, v in _metrics(group, ks).items()})
+      out[f"{prefix}num_problems"] = float(len(group))
     levels = sorted({r.level for r in group})
     if len(levels) > 1:
-      prefix = f"{name}/" if len(tasks) > 1 else ""
       for level in levels:
         part = [r for r in group if r.level == level]
         out.update({f"{prefix}level{level}/{k}": v for k, v in _metrics(part, ks).items()})
