@@ -259,6 +259,46 @@ def test_single_query_attention_equals_the_batched_form(dtype):
   assert np.isfinite(np.asarray(out[3], np.float32)).all()  # a fully masked row (a pad row) stays finite
 
 
+def test_the_decode_steps_attention_form_is_the_lowering_platforms():
+  """One query per row: multiply-reduce when lowered for CPU, batched dots for an accelerator,
+  chosen by the platform the program is lowered for (a TPU dry run compiles on a CPU host)."""
+  from mimo_jax.models.transformer import Attention
+
+  D, N, K, H, B, S = 16, 4, 2, 8, 2, 6
+  attn = Attention(
+    D, N, K, H, qkv_bias=False, o_bias=False, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)
+  )
+  graphdef, state = nnx.split(attn)
+  inv_freq = 1.0 / (10000 ** (np.arange(0, H, 2) / H))
+
+  def step(state, x, positions, mask, k_cache, v_cache, index):
+    return nnx.merge(graphdef, state)(x, positions, mask, inv_freq, kv_cache=(k_cache, v_cache), cache_index=index)
+
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(B, 1, D)), jnp.float32)
+  k_cache = jnp.asarray(rng.normal(size=(B, K, H, S)), jnp.float32)
+  v_cache = jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32)
+  mask = jnp.asarray(rng.random((B, 1, S)) < 0.7).at[:, :, 3].set(True)
+  args = (state, x, jnp.full((B, 1), 3, jnp.int32), mask, k_cache, v_cache, jnp.int32(3))
+  traced = jax.jit(step).trace(*args)
+  # Four projections in either form; the accelerator's adds the two attention products.
+  dots = {
+    p: traced.lower(lowering_platforms=(p,)).as_text().count("stablehlo.dot_general") for p in ("cpu", "tpu", "cuda")
+  }
+  assert dots == {"cpu": 4, "tpu": 6, "cuda": 6}
+  compiled = traced.lower().compile().as_text()
+  assert "conditional" not in compiled  # the platform choice costs the CPU program nothing
+  # What runs here (the CPU form) equals the batched form the accelerators get.
+  from mimo_jax.models.transformer import _attend
+
+  out, _ = jax.jit(step)(*args)
+  q, k, v = attn._qkv(x, jnp.full((B, 1), 3, jnp.int32), inv_freq)
+  k_all = k_cache.at[..., 3:4].set(jnp.transpose(k, (0, 2, 3, 1)))
+  v_all = v_cache.at[:, :, 3:4].set(jnp.transpose(v, (0, 2, 1, 3)))
+  batched = attn._output(_attend(q, k_all, v_all, mask, "BKHS", "BKSH", jnp.float32))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(batched), atol=1e-5, rtol=1e-5)
+
+
 def test_prompt_padding_does_not_change_output(model):
   kw = dict(max_new_tokens=8, temperature=1.0, num_samples=2, seed=5)
   a = generate(model, PROMPTS, prompt_buckets=(16,), **kw)

@@ -16,6 +16,7 @@ parameter and compute dtypes are.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -181,10 +182,16 @@ class Attention(nnx.Module):
       v_cache = jax.lax.dynamic_update_slice(v_cache, v_new, (zero, zero, cache_index, zero))
       new_cache = (k_cache, v_cache)
       k, v = k_cache.astype(dt), v_cache.astype(dt)
-      if T == 1 and jax.default_backend() == "cpu":
-        out = _single_query_attention(q[:, 0], k, v, mask_bts[:, 0], dt)[:, None]
+      batched = functools.partial(_attend, k_spec="BKHS", v_spec="BKSH", dt=dt)
+      if T == 1:
+        # The form is the lowering platform's (an AOT compile for a TPU topology on a CPU host
+        # gets the accelerator's), not the host's default backend: only that branch is lowered.
+        def single(q, k, v, mask):
+          return _single_query_attention(q[:, 0], k, v, mask[:, 0], dt)[:, None]
+
+        out = jax.lax.platform_dependent(q, k, v, mask_bts, cpu=single, default=batched)
       else:
-        out = _attend(q, k, v, mask_bts, "BKHS", "BKSH", dt)
+        out = batched(q, k, v, mask_bts)
     return self._output(out), new_cache
 
   def _qkv(self, x_btd, positions_bt, inv_freq, queries=None):
