@@ -749,6 +749,13 @@ class RunConfig:
     "are unaffected; at least --sft_steps: the whole warm start); 0: every step draws all levels.",
     ge=0,
   )
+  warm_start_from: str = field(
+    "",
+    "A run directory whose supervised warm start this run takes instead of running its own: the weights, "
+    "loop key and data order at its last SFT step (a run of the same warm-start settings: model, seed, "
+    "task and SFT flags; RL flags may differ). Used only when this run starts afresh; '': run its own. "
+    "The sweep runner shares one warm start per seed this way.",
+  )
   rm_steps: int = field(200, "--mode=reward_model: optimizer steps.", ge=1)
   eval_every: int = field(0, "Evaluate every N steps (0: only at the start and end).", ge=0)
   eval_samples: int = field(8, "Samples per held-out prompt for pass@k (k = 1 and this number).", ge=1)
@@ -796,6 +803,12 @@ class RunConfig:
 
       parse_topology(self.dry_run_topology)
       check(self.dry_run, "dry_run_topology", self.dry_run_topology, "needs --dry_run (it only compiles)")
+    check(
+      not self.warm_start_from or self.sft_steps > 0,
+      "warm_start_from",
+      self.warm_start_from,
+      "needs --sft_steps > 0 (without a supervised warm start there is none to take)",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -867,6 +880,7 @@ ADDED_SETTINGS = {
     "debug_lr_spike_steps",
     "debug_lr_spike_factor",
     "compile_ahead",
+    "warm_start_from",
   ),
   "rollout": ("unrolled_decode",),
   # sft_grad_clip absent: the warm start was clipped at --grad_clip (ADDED_FROM).

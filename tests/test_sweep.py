@@ -357,6 +357,19 @@ def test_a_sweep_gates_records_and_continues_after_a_kill(tmp_path):
   assert nan["status"] == "gate_failed" and nan["gate"]["verdict"] == "nan" and nan["final"] == {}
   assert "non-finite" in nan["gate"]["detail"]
   assert _rl_steps(nan["run_dir"]) == [1, 2]  # stopped at the gate: no long run
+  # One supervised warm start, trained once (a run stopped after it) and taken by both points: no SFT in
+  # either point's run, and both start RL from its weights (the same held-out evaluation at RL step 0).
+  (source,) = [os.path.join(out, "warm_starts", n) for n in os.listdir(os.path.join(out, "warm_starts"))]
+  assert os.path.basename(source).startswith("seed0-")
+  assert base["warm_start_from"] == nan["warm_start_from"] == source
+  warm = json.load(open(os.path.join(source, "summary.json")))
+  assert warm["rl_steps"] == 0 and any("sft_loss" in r for r in read_jsonl(os.path.join(source, "metrics.jsonl")))
+  for row in (base, nan):
+    assert not any("sft_loss" in r for r in read_jsonl(os.path.join(row["run_dir"], "metrics.jsonl")))
+    assert f"warm start taken from {source}" in open(os.path.join(out, "logs", f"{row['run']}.log")).read()
+  assert base["warm_start"] == warm["warm_start"] == summary["warm_start"]
+  first_eval = [r for r in read_jsonl(os.path.join(nan["run_dir"], "metrics.jsonl")) if r["step"] == 0]
+  assert {k[5:]: v for k, v in first_eval[0].items() if k.startswith("eval/")} == warm["warm_start"]
   report = open(os.path.join(out, "report.html"), encoding="utf-8").read()
   assert "Axis debug_nan_steps" in report and report.count("<img ") == 7 and "gate_failed" in report
 

@@ -1,7 +1,7 @@
 """``python -m mimo_jax.sweep``: a scaling study from the command line.
 
     python -m mimo_jax.sweep --base=FLAGFILE --axis=NAME=v1,v2,... [--axis=...] [--seeds=N] [--grid]
-        [--gate_steps=20] [--no_coupling] [--plan] --out=DIR [-- extra main flags]
+        [--gate_steps=20] [--no_coupling] [--no_shared_warm_start] [--plan] --out=DIR [-- extra main flags]
     python -m mimo_jax.sweep --report_only --out=DIR
 
 Every point is a normal run directory under ``DIR/runs/``; ``DIR/results.jsonl`` has one row per point
@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--no_coupling", action="store_true", help="Do not adjust coupled settings (learning rate, KL, entropy, clip)."
   )
+  p.add_argument(
+    "--no_shared_warm_start",
+    action="store_true",
+    help="Each run trains its own supervised warm start (by default the runs of a seed whose warm-start settings "
+    "agree take one, trained once into DIR/warm_starts/: the same weights, trained once).",
+  )
   p.add_argument("--report_only", action="store_true", help="Only redraw DIR/report.html from the runs.")
   p.add_argument(
     "--plan", action="store_true", help="Validate every point and print its coupled settings and command; run nothing."
@@ -93,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       gate_steps=args.gate_steps,
       gate_min_reward_change=args.gate_min_reward_change,
       extra=extra,
+      share_warm_start=not args.no_shared_warm_start,
     )
     if args.plan:
       for run in sweep.plan():

@@ -175,6 +175,9 @@ class Sweep:
     gate_min_reward_change: the gate's ``flat`` threshold on the batch reward's range.
     extra: trainer flags added to every point after the flagfile (before the axes).
     num_devices: the devices the points are validated for (default: this host's).
+    share_warm_start: runs of one seed whose warm-start settings agree (every point of an axis of RL
+      settings) take one supervised warm start, trained once into ``DIR/warm_starts/`` by a run stopped
+      after it (``--warm_start_from``); false: each run trains its own (the same weights, at a cost).
   """
 
   def __init__(
@@ -190,6 +193,7 @@ class Sweep:
     gate_min_reward_change: float = 0.0,
     extra: Sequence[str] = (),
     num_devices: int | None = None,
+    share_warm_start: bool = True,
   ):
     if not base or not os.path.isfile(base):
       raise ConfigError(f"--base={base}: not a file (the base flagfile of the sweep)")
@@ -217,6 +221,8 @@ class Sweep:
       seeds = tuple(self.base_cfg.run.seed + i for i in range(seeds))
     self.seeds = seeds
     self.num_devices = num_devices
+    self.share_warm_start = share_warm_start
+    self._warm_sources: dict[str, str] = {}  # run name -> the shared warm start's run directory
     self._child: subprocess.Popen | None = None
     self._interrupted = False
 
@@ -384,6 +390,7 @@ class Sweep:
     self._claim(runs)
     for d in ("runs", "logs", "state"):
       os.makedirs(os.path.join(self.out, d), exist_ok=True)
+    self._warm_sources = self.shared_warm_starts(runs) if self.share_warm_start else {}
     done = {row["run"] for row in read_results(self.out)}
     print(
       f"sweep {self.out}: {len(runs)} runs ({len(runs) // len(self.seeds)} points x {len(self.seeds)} seeds), "
@@ -424,10 +431,48 @@ class Sweep:
     if self._child is not None and self._child.poll() is None:
       self._child.send_signal(signal.SIGTERM)  # the trainer saves at its next step boundary
 
+  def shared_warm_starts(self, runs: Sequence[PlannedRun]) -> dict[str, str]:
+    """Run name -> the warm-start run directory it takes (``DIR/warm_starts/seed<s>-<key>``), for the
+    runs with a supervised warm start whose settings (:data:`~mimo_jax.train.warm_start.WARM_START`)
+    another run of the sweep shares; a run that sets ``--warm_start_from`` itself keeps it."""
+    from mimo_jax.train.warm_start import warm_start_key
+
+    groups: dict[str, list[PlannedRun]] = {}
+    for run in runs:
+      if run.cfg.run.sft_steps > 0 and not run.cfg.run.warm_start_from:
+        groups.setdefault(f"seed{run.seed}-{warm_start_key(run.cfg)}", []).append(run)
+    return {
+      run.name: os.path.join(self.out, "warm_starts", name)
+      for name, members in groups.items()
+      if len(members) > 1
+      for run in members
+    }
+
+  def _ensure_warm_start(self, run: PlannedRun) -> bool:
+    """Trains the shared warm start ``run`` takes unless it is there (a run of ``run``'s own command
+    stopped after its warm start, ``--max_steps=0``); False: it failed or was interrupted."""
+    source = self._warm_sources[run.name]
+    if os.path.exists(os.path.join(source, "summary.json")):
+      return True
+    name = os.path.basename(source)
+    print(f"    warm start {name}: trained once for every run of seed {run.seed} with these settings", flush=True)
+    log = os.path.join(self.out, "logs", f"warm_start-{name}.log")
+    t0 = time.perf_counter()
+    rc = self._spawn([*run.argv, f"--run_dir={source}", "--max_steps=0", "--keep_last=3"], log)
+    if self._interrupted:
+      return False
+    if rc != 0 or not os.path.exists(os.path.join(source, "summary.json")):
+      print(f"    warm start {name}: the trainer exited with {rc} (see {log})", flush=True)
+      return False
+    print(f"    warm start {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+    return True
+
   def _run_one(self, run: PlannedRun) -> str | None:
     """The gate (unless already judged), then the long run; writes the results row. None: it failed."""
     state = self._state(run)
     run_dir = self.run_dir(run)
+    if run.name in self._warm_sources and not self._ensure_warm_start(run):
+      return None
     if self.gate_steps and "gate" not in state:
       rc = self._child_run(run, state, stop_at=self.gate_steps)
       if self._interrupted:
@@ -476,24 +521,32 @@ class Sweep:
     return "done"
 
   def _child_run(self, run: PlannedRun, state: dict[str, Any], stop_at: int = 0) -> int:
-    argv = [sys.executable, "-m", "mimo_jax.sweep.child", f"--parent={os.getpid()}", "--", *run.argv]
+    flags = list(run.argv)
+    if run.name in self._warm_sources:  # read only when the run starts afresh
+      flags.append(f"--warm_start_from={self._warm_sources[run.name]}")
     if stop_at:
-      argv.append(f"--stop_at_step={stop_at}")
-    with open(self.log_path(run), "a") as log:
+      flags.append(f"--stop_at_step={stop_at}")
+    t0 = time.perf_counter()
+    rc = self._spawn(flags, self.log_path(run))
+    state["wall_s"] = state.get("wall_s", 0.0) + time.perf_counter() - t0
+    state["attempts"] = state.get("attempts", 0) + 1
+    self._save_state(run, state)
+    return rc
+
+  def _spawn(self, flags: Sequence[str], log_path: str) -> int:
+    """Runs the trainer with ``flags`` as the sweep's child, its output appended to ``log_path``; returns
+    its exit code."""
+    argv = [sys.executable, "-m", "mimo_jax.sweep.child", f"--parent={os.getpid()}", "--", *flags]
+    with open(log_path, "a") as log:
       log.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n")
       log.flush()
-      t0 = time.perf_counter()
       # Its own session: a Ctrl-C in the terminal reaches the sweep only, which passes on a SIGTERM (the
       # trainer saves on SIGTERM; a SIGINT would stop it mid-step).
       self._child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
       try:
-        rc = self._child.wait()
+        return self._child.wait()
       finally:
         self._child = None
-      state["wall_s"] = state.get("wall_s", 0.0) + time.perf_counter() - t0
-      state["attempts"] = state.get("attempts", 0) + 1
-      self._save_state(run, state)
-    return rc
 
   # --- files -------------------------------------------------------------------------------------------
 
@@ -553,6 +606,8 @@ class Sweep:
       "attempts": state.get("attempts", 0),
       "run_dir": run_dir,
       "command": ["python", "-m", "mimo_jax.main", *run.argv],
+      # The shared warm start this run took (trained once, not counted in its wall time), or None.
+      "warm_start_from": self._warm_sources.get(run.name),
     }
     with open(os.path.join(self.out, RESULTS), "a") as f:
       f.write(json.dumps(row) + "\n")

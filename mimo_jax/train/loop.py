@@ -67,6 +67,7 @@ from mimo_jax.train.logger import MetricsLogger, device_memory, format_progress,
 from mimo_jax.train.rollout_worker import RolloutWorker, digest, train_pool
 from mimo_jax.train.samples import select_samples
 from mimo_jax.train.steps import SequenceBatch, make_sft_step
+from mimo_jax.train.warm_start import check_source, restore_warm_start, starts_afresh
 
 # A reward source that keeps failing is reported (console and log) at most once in this many RL steps; its
 # failures are in every step's reward/<name>_fail_frac.
@@ -754,6 +755,17 @@ class RLRun:
         raise Preempted(f"sft step {done}")
     return state
 
+  def take_warm_start(self) -> Any:
+    """``--warm_start_from``: the weights of the source run's last SFT step, with the loop key and the data
+    order it left (what this run's own warm start would have left: the settings were checked equal);
+    returns the weights."""
+    src, n = self.cfg.run.warm_start_from, self.cfg.run.sft_steps
+    target = abstract_like({"params": self._init_params, "loop_key": self.worker.key_data}, self.mesh)
+    tree, meta = restore_warm_start(self.cfg, target)
+    self.worker.load_host_state(loop_key=np.asarray(tree["loop_key"]), data_rng=meta["data_rng"])
+    print(f"warm start taken from {src} (its SFT step {n}); no SFT of its own", flush=True)
+    return tree["params"]
+
   # ------------------------------------------------------------------ evaluation
 
   def evaluate(self, params) -> dict[str, float]:
@@ -1110,6 +1122,8 @@ def train(cfg: Config, *, rollout_factory=None) -> dict[str, Any]:
   # A task that runs untrusted code without kernel isolation is refused before the run directory is
   # touched (--overwrite would clear it first); building the task checks again, silently.
   check_sandbox(cfg.data)
+  if cfg.run.warm_start_from and starts_afresh(cfg, run_dir):
+    check_source(cfg, run_dir)
   directory = rundir.RunDir(run_dir, writer=multihost.is_primary())
   with contextlib.ExitStack() as owned:
     _claim(directory, cfg, owned)
@@ -1169,11 +1183,14 @@ def _warm_start(run: RLRun, restored: Restored | None) -> tuple[LearnerState, in
   """SFT (skipped when resuming in the RL phase), the warm start's evaluation, and the RL state at step 0."""
   if restored is not None and restored.phase == "rl":
     return restored.state, restored.step, restored.meta["warm_start"]
-  state = restored.state if restored else run.fresh_state("sft")
-  state = run.sft(state, restored.step if restored else 0) if run.cfg.run.sft_steps else state
-  warm = run.evaluate(state.params)
+  if restored is None and run.cfg.run.warm_start_from:
+    params = run.take_warm_start()
+  else:
+    state = restored.state if restored else run.fresh_state("sft")
+    params = (run.sft(state, restored.step if restored else 0) if run.cfg.run.sft_steps else state).params
+  warm = run.evaluate(params)
   run.logger.log(0, {f"eval/{k}": v for k, v in warm.items()})
-  return run.begin_rl(state.params, warm), 0, warm
+  return run.begin_rl(params, warm), 0, warm
 
 
 def _rl_phase(run: RLRun, state: LearnerState, step: int, warm: dict[str, float]) -> tuple[LearnerState, int]:
@@ -1274,6 +1291,10 @@ def _finish(
   cfg = run.cfg
   final = run.evaluate(state.params)
   run.logger.log(cfg.run.max_steps + 1, {f"eval/{k}": v for k, v in final.items()})
+  if step == 0:
+    # --max_steps=0 (a run stopped after its warm start): RL step 0 was committed by the SFT -> RL
+    # transition; it is written again with the final record.
+    run.ckpt.delete_after(run.global_step("rl", 0) - 1)
   run.save("rl", step, state, cfg.run.max_steps + 1, warm)
   run.keep_if_best(step, state, cfg.run.max_steps + 1, final, warm)
   summary = {

@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import shutil
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mimo_jax.ckpt import Checkpointer
@@ -98,14 +99,17 @@ class RunDirLock:
     self.release()
 
 
-def identity_mismatches(previous: dict[str, Any], current: dict[str, Any]) -> list[str]:
+def identity_mismatches(
+  previous: dict[str, Any], current: dict[str, Any], settings: Mapping[str, Sequence[str]] = IDENTITY
+) -> list[str]:
   """``--flag: old -> new`` for every identity setting that differs between two ``Config.to_dict()``s.
 
-  Only the :data:`IDENTITY` settings count: other keys of a ``config.json`` (the ``sandbox``
-  record of the machine, which a resume elsewhere may change) are ignored.
+  Only the ``settings`` (section -> names; default :data:`IDENTITY`) count: other keys of a
+  ``config.json`` (the ``sandbox`` record of the machine, which a resume elsewhere may change) are
+  ignored.
   """
   out = []
-  for section, names in IDENTITY.items():
+  for section, names in settings.items():
     section = "data" if section == "data_rows" else section
     fields = {f.name: f for f in dataclasses.fields(CONCERN_CLASSES[section])}
     for name in names:
