@@ -179,6 +179,35 @@ def test_points_one_axis_at_a_time_or_as_a_grid(tmp_path):
   assert f"--learning_rate={bigger.cfg.optim.learning_rate:.4g}" in bigger.argv
 
 
+def test_the_runs_of_a_seed_with_one_warm_start_share_it(tmp_path, capsys):
+  """An RL axis shares its seed's warm start; a model-size point trains its own (alone in its group)."""
+  from mimo_jax.sweep.__main__ import main
+
+  axes = [parse_axis("learning_rate=4e-4,8e-4"), parse_axis("num_layers=1")]
+  sweep = Sweep(base=BASE, axes=axes, out=str(tmp_path), seeds=2, extra=["--model_preset=tiny"], num_devices=8)
+  runs = sweep.plan()
+  shared = sweep.shared_warm_starts(runs)
+  for seed in (0, 1):
+    takers = sorted(n for n in shared if n.endswith(f"-seed{seed}"))
+    assert takers == [f"{p}-seed{seed}" for p in ("base", "learning_rate=4e-4", "learning_rate=8e-4")]
+    (source,) = {shared[n] for n in takers}
+    assert os.path.dirname(source) == str(tmp_path / "warm_starts")
+    assert os.path.basename(source).startswith(f"seed{seed}-")
+  assert len(set(shared.values())) == 2 and "num_layers=1-seed0" not in shared
+  assert (
+    main(
+      [f"--base={BASE}", "--axis=learning_rate=4e-4", f"--out={tmp_path / 'p'}", "--plan", "--", "--model_preset=tiny"]
+    )
+    == 0
+  )
+  assert capsys.readouterr().out.count("takes the shared warm start") == 2
+  assert (
+    main([f"--base={BASE}", "--axis=learning_rate=4e-4", f"--out={tmp_path / 'p'}", "--plan", "--no_shared_warm_start"])
+    == 0
+  )
+  assert "takes the shared warm start" not in capsys.readouterr().out
+
+
 def test_an_invalid_point_fails_the_sweep_before_anything_runs(tmp_path, capsys):
   from mimo_jax.sweep.__main__ import main
 

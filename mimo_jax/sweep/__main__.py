@@ -102,11 +102,15 @@ def main(argv: Sequence[str] | None = None) -> int:
       share_warm_start=not args.no_shared_warm_start,
     )
     if args.plan:
-      for run in sweep.plan():
+      runs = sweep.plan()
+      shared = sweep.shared_warm_starts(runs) if sweep.share_warm_start else {}
+      for run in runs:
         print(run.name)
         for c in run.changes:
           print(f"    coupled {c.describe()}")
         print("    python -m mimo_jax.main " + " ".join(run.argv))
+        if run.name in shared:
+          print(f"    takes the shared warm start {shared[run.name]} (--warm_start_from)")
       return 0
     rc = sweep.run()
   except ConfigError as e:

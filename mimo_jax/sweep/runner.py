@@ -43,6 +43,7 @@ from mimo_jax.config import CONCERN_CLASSES, SHAPE_FLAGS, Config, ConfigError, v
 from mimo_jax.files import read_json, read_jsonl, write_atomic
 from mimo_jax.sweep.coupling import Change, couple, model_size_ratio, non_embedding_params, rollout_batch_ratio
 from mimo_jax.sweep.gate import Verdict, gate_verdict
+from mimo_jax.train.warm_start import starts_afresh, warm_start_key
 
 __all__ = ["Axis", "PlannedRun", "Sweep", "parse_axis", "read_results"]
 
@@ -435,8 +436,6 @@ class Sweep:
     """Run name -> the warm-start run directory it takes (``DIR/warm_starts/seed<s>-<key>``), for the
     runs with a supervised warm start whose settings (:data:`~mimo_jax.train.warm_start.WARM_START`)
     another run of the sweep shares; a run that sets ``--warm_start_from`` itself keeps it."""
-    from mimo_jax.train.warm_start import warm_start_key
-
     groups: dict[str, list[PlannedRun]] = {}
     for run in runs:
       if run.cfg.run.sft_steps > 0 and not run.cfg.run.warm_start_from:
@@ -471,7 +470,7 @@ class Sweep:
     """The gate (unless already judged), then the long run; writes the results row. None: it failed."""
     state = self._state(run)
     run_dir = self.run_dir(run)
-    if run.name in self._warm_sources and not self._ensure_warm_start(run):
+    if run.name in self._warm_sources and starts_afresh(run.cfg, run_dir) and not self._ensure_warm_start(run):
       return None
     if self.gate_steps and "gate" not in state:
       rc = self._child_run(run, state, stop_at=self.gate_steps)
