@@ -52,6 +52,25 @@ def gather(x: np.ndarray) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=False))
 
 
+def gather_texts(texts: Sequence[str], limit: int = 8192) -> list[str]:
+  """Every process's ``texts`` on every process, in process order (each process's own order kept).
+
+  One fixed-shape gather: a process's texts travel as one UTF-8 buffer of at most ``limit`` bytes
+  (newlines inside a text become spaces; what does not fit is cut, a cut character dropped).
+  """
+  if not multi_process():
+    return list(texts)
+  data = "\n".join(t.replace("\n", " ") for t in texts).encode()[:limit]
+  mine = np.zeros(limit + 1, np.int32)
+  mine[0] = len(data)
+  mine[1 : 1 + len(data)] = np.frombuffer(data, np.uint8)
+  out = []
+  for row in gather(mine):
+    text = bytes(row[1 : 1 + int(row[0])].astype(np.uint8)).decode(errors="ignore")
+    out.extend(t for t in text.split("\n") if t)
+  return out
+
+
 def barrier(name: str) -> None:
   """Waits until every process reaches the barrier ``name``."""
   if multi_process():

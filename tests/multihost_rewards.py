@@ -7,11 +7,14 @@ such batches with the real worker (``RolloutWorker.reward``: decode, score, mix 
 normaliser) and writes (process 0) the rewards, components and metrics; every process also writes
 the rows it decoded itself, with their texts, to ``OUT.json.p<i>``, and what a judge
 (``--judge_checkpoint``) wrote for each batch to ``OUT.json.p<i>.judge``. The composite reward is the run's own
-(``build_run_reward``), so ``--reward_model`` and the judge score on the global mesh.
+(``build_run_reward``), so ``--reward_model`` and the judge score on the global mesh. ``--probe``
+(first after OUT.json) adds a per-sample source that fails on the rows whose completion is a multiple of 3,
+and the batches' failure messages are written too.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -21,9 +24,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mimo_jax import multihost, sharding
 from mimo_jax.main import parse_config
+from mimo_jax.rewards.base import CompositeReward, RewardSource
 from mimo_jax.rollout import FINISH_STOP, RolloutOutput
 from mimo_jax.rollout.encoding import encode_prompts, encode_targets
 from mimo_jax.tasks.registry import build_task
+from mimo_jax.testing import reward_fns
 from mimo_jax.train.loop import build_run_reward
 from mimo_jax.train.rollout_worker import RolloutWorker
 
@@ -78,11 +83,17 @@ class Recording:
 
 def main(argv):
   out = argv[1]
-  cfg = parse_config(["prog", *argv[2:]])
+  probe = argv[2:3] == ["--probe"]
+  cfg = parse_config(["prog", *argv[2 + probe :]])
   sharding.initialize_distributed(cfg.mesh)
   mesh = sharding.build_mesh(cfg.mesh)
   task, tokenizer = build_task(cfg.data, seed=cfg.run.seed)
   rewarder = build_run_reward(cfg, task, tokenizer, mesh)
+  if probe:
+    fails = RewardSource("probe", functools.partial(reward_fns.fails_on_multiples, k=3), weight=0.0)
+    rewarder = CompositeReward(
+      [*rewarder.sources, fails], normalize=rewarder.normalize, ema=rewarder.ema, eps=rewarder.eps, clip=rewarder.clip
+    )
   judge = next((s.fn for s in rewarder.sources if s.name == "judge"), None)
   if judge is not None:
     judge.generate_fn = Recording(judge.generate_fn)
@@ -101,6 +112,7 @@ def main(argv):
         "components": {k: v.tolist() for k, v in rewards.components.items()},
         "normalized": {k: v.tolist() for k, v in rewards.batch.normalized.items()},
         "metrics": rewards.metrics,
+        "errors": rewards.batch.errors,
         "expected_correct": [t == problems[i // cfg.rollout.num_samples].answer for i, t in enumerate(texts)],
       }
     )

@@ -270,11 +270,14 @@ def test_a_reward_model_and_a_judge_score_the_whole_batch_on_every_host(tmp_path
 def test_each_host_scores_only_its_own_rows_and_every_host_gets_the_global_rewards(tmp_path):
   """The reward path on its own, with known completions (the tiny runs above rarely earn a reward):
   2 processes give what 1 process gives (raw, normalised and mixed rewards, metrics, the running
-  normaliser's statistics), and each process decoded exactly the rows on its devices."""
+  normaliser's statistics, the failure messages of a source that fails on some rows of each host),
+  and each process decoded exactly the rows on its devices."""
   script = os.path.join(ROOT, "tests", "multihost_rewards.py")
   flags = [*REWARD_PATH, "--reward_normalize=task_running"]
   one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
-  single = subprocess.run([sys.executable, script, one, *flags], env=process_env(8), cwd=ROOT, capture_output=True)
+  single = subprocess.run(
+    [sys.executable, script, one, "--probe", *flags], env=process_env(8), cwd=ROOT, capture_output=True
+  )
   assert single.returncode == 0, single.stderr.decode()[-3000:]
   port = free_port()
   procs = [
@@ -283,6 +286,7 @@ def test_each_host_scores_only_its_own_rows_and_every_host_gets_the_global_rewar
         sys.executable,
         script,
         two,
+        "--probe",
         *flags,
         f"--coordinator_address=localhost:{port}",
         "--num_processes=2",
@@ -301,6 +305,12 @@ def test_each_host_scores_only_its_own_rows_and_every_host_gets_the_global_rewar
   for step in a[:2]:
     assert step["correct"] == step["expected_correct"] and 0 < sum(step["correct"]) < len(step["correct"])
   assert a[2]["reward_state"]["stats"]["arith"]["correct"]["updates"] == 2
+  # The probe's failures: every host's messages reach the batch (in batch order, as one process gives).
+  for step in a[:2]:
+    rows = [int(m.split("[", 1)[1].split("]", 1)[0]) for m in step["errors"]]
+    assert all(m.startswith("probe[") and "is a multiple of 3" in m for m in step["errors"])
+    assert rows == sorted(rows) and min(rows) < 16 <= max(rows)  # rows of both hosts
+    assert step["metrics"]["reward/probe_fail_frac"] > 0
   texts_one = json.load(open(one + ".p0"))
   mine = [json.load(open(f"{two}.p{i}")) for i in range(2)]
   for step in range(2):

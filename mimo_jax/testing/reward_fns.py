@@ -24,6 +24,7 @@ __all__ = [
   "batched_raises",
   "batched_row_value",
   "batched_wrong_length",
+  "fails_on_multiples",
   "row_value",
   "scripted",
   "worker_pid",
@@ -108,3 +109,12 @@ class ExitOnUnpickle:
 
   def __reduce__(self) -> tuple[object, tuple[int]]:
     return os._exit, (5,)
+
+
+def fails_on_multiples(sample: RewardSample, k: int = 3) -> float:
+  """1.0, or raises ``ValueError`` when the completion is a number divisible by ``k``: a failure decided by
+  the text alone, so that a run over any number of processes fails on the same rows."""
+  text = sample.completion.strip()
+  if text.isdigit() and int(text) % k == 0:
+    raise ValueError(f"{text} is a multiple of {k}")
+  return 1.0

@@ -986,7 +986,8 @@ class RLRun:
 
   def report_reward_failures(self, step: int, batch: Any) -> None:
     """Says which reward sources failed on RL step ``step``'s batch (a :class:`RewardBatch`; each failure
-    counts as 0), on how many samples, and why (the first messages of this process's rows): at a source's
+    counts as 0), on how many samples, and why (the batch's first messages, from whichever process scored
+    the row): at a source's
     first failing step, then at most once every ``REWARD_FAILURES_EVERY`` steps while it keeps failing."""
     if batch is None:
       return
@@ -1007,7 +1008,7 @@ class RLRun:
     why = [m for m in batch.errors if m.split("[", 1)[0] in due][:3]
     message = (
       f"RL step {step}: reward sources failed, each failure counted as 0: {counts}; "
-      + ("; ".join(why) if why else "this process scored none of the failing rows (the other hosts' logs say why)")
+      + ("; ".join(why) if why else "no message of theirs kept (a batch keeps its first 10)")
       + f" (reported again at most every {REWARD_FAILURES_EVERY} steps; reward/<name>_fail_frac logs every step)"
     )
     if multihost.is_primary():

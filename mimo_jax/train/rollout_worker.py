@@ -45,6 +45,24 @@ __all__ = ["RolloutBatch", "RolloutWorker", "Rewards", "digest", "train_pool"]
 _BATCH_RECORDS = 16
 # Seed-sequence tag of a generated task's --train_prompts draw (apart from the per-step data stream).
 _POOL_TAG = 0x504F4F4C  # "POOL"
+# Failure messages each host contributes to the batch's gathered ones (RewardBatch keeps the first 10).
+_GATHERED_ERRORS = 10
+
+
+def _batch_order(names: Sequence[str]) -> Callable[[str], tuple[int, int]]:
+  """The sort key of a ``"<source>[<row>]: ..."`` failure message: source order, then batch row (what one
+  process's ``CompositeReward.score`` gives)."""
+
+  def key(message: str) -> tuple[int, int]:
+    name, _, rest = message.partition("[")
+    row = rest.partition("]")[0]
+    return (names.index(name) if name in names else len(names), int(row) if row.isdigit() else -1)
+
+  return key
+
+
+def _in_batch_order(messages: Sequence[str], names: Sequence[str]) -> list[str]:
+  return sorted(messages, key=_batch_order(names))
 
 
 def train_pool(task: Any, data: Any, seed: int) -> list[Any] | None:
@@ -388,6 +406,12 @@ class RolloutWorker:
     raw, failed, errors = self.rewarder.score(samples, names, rows=rows.tolist())
     full = multihost.gather_rows(B, rows, [raw[n] for n in names] + [failed[n] for n in names])
     raw, failed = dict(zip(names, full[: len(names)], strict=True)), dict(zip(names, full[len(names) :], strict=True))
+    if multihost.multi_process() and any(f.any() for f in failed.values()):
+      # Every host's failure messages (each its first few in batch order), so that the report names the
+      # failing rows of the whole batch, whichever host scored them; in the order one process gives.
+      errors = sorted(
+        multihost.gather_texts(_in_batch_order(errors, names)[:_GATHERED_ERRORS]), key=_batch_order(names)
+      )
     if collective:
       more_raw, more_failed, more_errors = self.rewarder.score(
         reward_samples(problems, every, G, truncated), collective
