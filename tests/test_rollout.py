@@ -23,11 +23,17 @@ def model():
   return Transformer(tiny().replace(qkv_bias=True), rngs=nnx.Rngs(0))
 
 
+@jax.jit
+def _last_logits(graphdef, state, tokens):
+  # The weights are arguments: closed over, they would be constants of each program, which XLA folds.
+  return nnx.merge(graphdef, state)(tokens)[0, -1]
+
+
 def _greedy_reference(model, prompt, n):
   seq = list(prompt)
-  fwd = jax.jit(lambda t: model(t)[0, -1])
+  graphdef, state = nnx.split(model)
   for _ in range(n):
-    seq.append(int(jnp.argmax(fwd(jnp.asarray([seq], jnp.int32)))))
+    seq.append(int(jnp.argmax(_last_logits(graphdef, state, jnp.asarray([seq], jnp.int32)))))
   return seq[len(prompt) :]
 
 
