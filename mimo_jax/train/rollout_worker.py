@@ -61,10 +61,6 @@ def _batch_order(names: Sequence[str]) -> Callable[[str], tuple[int, int]]:
   return key
 
 
-def _in_batch_order(messages: Sequence[str], names: Sequence[str]) -> list[str]:
-  return sorted(messages, key=_batch_order(names))
-
-
 def train_pool(task: Any, data: Any, seed: int) -> list[Any] | None:
   """The prompts RL draws from when ``--train_prompts`` or an epoch order (``--data_order``) asks for a
   finite set: the training file's (its first N), or N distinct problems drawn once from a generated
@@ -407,11 +403,9 @@ class RolloutWorker:
     full = multihost.gather_rows(B, rows, [raw[n] for n in names] + [failed[n] for n in names])
     raw, failed = dict(zip(names, full[: len(names)], strict=True)), dict(zip(names, full[len(names) :], strict=True))
     if multihost.multi_process() and any(f.any() for f in failed.values()):
-      # Every host's failure messages (each its first few in batch order), so that the report names the
-      # failing rows of the whole batch, whichever host scored them; in the order one process gives.
-      errors = sorted(
-        multihost.gather_texts(_in_batch_order(errors, names)[:_GATHERED_ERRORS]), key=_batch_order(names)
-      )
+      # Every host's first failure messages (``score`` gives them in source and row order), so that the
+      # report names the failing rows of the whole batch, whichever host scored them; in that order.
+      errors = sorted(multihost.gather_texts(errors[:_GATHERED_ERRORS]), key=_batch_order(names))
     if collective:
       more_raw, more_failed, more_errors = self.rewarder.score(
         reward_samples(problems, every, G, truncated), collective
