@@ -161,6 +161,12 @@ class RolloutConfig:
     "steps; a decode program that grows with depth, and the copy in memory while generating); false: the "
     "scanned layer stack, one layer's program whatever the depth, no copy.",
   )
+  share_prompt_cache: bool = field(
+    True,
+    "The num_samples rows of a prompt read its keys and values from one copy in the KV cache instead of a copy "
+    "each (the prompt's cache memory and reads divided by num_samples); the same tokens and log-probs up to "
+    "float rounding. Applies when num_samples > 1 and the prompts split evenly over the batch shards.",
+  )
   # ---- async rollout
   async_rollout: bool = field(
     False,
@@ -882,7 +888,7 @@ ADDED_SETTINGS = {
     "compile_ahead",
     "warm_start_from",
   ),
-  "rollout": ("unrolled_decode",),
+  "rollout": ("unrolled_decode", "share_prompt_cache"),
   # sft_grad_clip absent: the warm start was clipped at --grad_clip (ADDED_FROM).
   "optim": ("rm_learning_rate", "sft_grad_clip"),
   # Absent reads as auto / shared: each differs from the older behaviour by rounding only, and only in training.

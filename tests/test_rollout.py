@@ -120,6 +120,50 @@ def test_unrolled_decode_equals_the_scanned_stack(mesh_shape):
   np.testing.assert_allclose(kept.logprobs, scanned.logprobs, atol=1e-6)
 
 
+@pytest.mark.parametrize("mesh_shape, unrolled", [(None, True), (None, False), ((2, 2, 2), True)])
+def test_a_shared_prompt_cache_gives_the_per_row_caches_results_in_less_memory(mesh_shape, unrolled):
+  """share_prompt_cache (the default): a prompt's keys and values are kept once for its samples.
+  Against a cache that copies the prompt into every row: the same tokens, stops and log-probs
+  (per-layer and scanned decode, with and without a mesh), and a smaller program."""
+  cfg = tiny().replace(num_layers=3, num_heads=4, num_kv_heads=2, qkv_bias=True)
+  if mesh_shape is None:
+    mesh, model = None, Transformer(cfg, rngs=nnx.Rngs(6))
+  else:
+    mesh = build_mesh(MeshConfig(*mesh_shape))
+    model = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(6)), mesh)
+  tokens, mask = left_pad(PROMPTS, 16, 0)
+  kw = dict(
+    num_samples=3,
+    max_len=12,
+    sampling=SamplingParams(top_k=40, stop_ids=(3, 4)),
+    temperature=0.9,
+    key=jax.random.key(8),
+  )
+  per_row = Sampler(model, mesh=mesh, unrolled_decode=unrolled, share_prompt_cache=False)
+  shared = Sampler(model, mesh=mesh, unrolled_decode=unrolled)
+  assert shared.shares_prompt_cache(4, 3) and not per_row.shares_prompt_cache(4, 3)
+  assert not shared.shares_prompt_cache(4, 1)  # one sample per prompt: nothing to share
+  a, b = per_row.generate(tokens, mask, **kw), shared.generate(tokens, mask, **kw)
+  np.testing.assert_array_equal(b.completion_tokens, a.completion_tokens)
+  np.testing.assert_array_equal(b.lengths, a.lengths)
+  np.testing.assert_array_equal(b.finish_reason, a.finish_reason)
+  np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
+  np.testing.assert_allclose(b.sampler_logprobs, a.sampler_logprobs, atol=1e-5)
+  assert set(np.asarray(b.finish_reason).tolist()) == {FINISH_STOP, FINISH_LENGTH}
+  # The recorded log-probs are still the policy's, recomputed by a full forward.
+  np.testing.assert_allclose(shared.per_token_logps(b), b.logprobs, atol=2e-5)
+  if mesh is None:
+    # Long prompts, many samples: the cache is most of the program's memory. Two prompts of 128
+    # slots are held once, not once for each of 16 rows.
+    args = (jnp.zeros((2, 128), jnp.int32), jnp.ones((2, 128), bool), jnp.ones((16,)), jax.random.key(0), jnp.int32(12))
+
+    def temp_bytes(sampler):
+      lowered = sampler._generate.lower(sampler._state, None, *args, num_samples=8, max_len=12, sampling=kw["sampling"])
+      return lowered.compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(shared) < 0.9 * temp_bytes(per_row)
+
+
 def test_a_kept_layer_copy_is_reused_only_while_the_weights_are_unchanged():
   """keep_layer_copy: calls on the same arrays reuse one per-layer copy and compile nothing
   new; other weights (update_params, or a model updated in place and passed again to
@@ -232,6 +276,75 @@ def test_prefill_cache_equals_writing_the_prompt_through_a_cache(model, per_laye
     KVCache.from_prompt(k, v, mask, 7)
 
 
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_a_shared_prompt_cache_holds_the_prompt_once_and_attends_like_the_per_row_cache(model, per_layer):
+  """KVCache.from_prompt(share_prompt=True): the prompt's keys, values and mask once per prompt,
+  the rows' own slots empty after it; model calls of 2 tokens then 1 (the accelerators' batched
+  form, then the CPU's single-query form) give the per-row cache's logits and new slots."""
+  cfg = model.config
+  tokens, mask = left_pad(PROMPTS, 8, 0)
+  tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+  positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+  _, (k, v) = model.decoder.prefill(tokens, positions, mask)
+  per_row = KVCache.from_prompt(k, v, mask, 12, repeats=3, per_layer=per_layer)
+  shared = KVCache.from_prompt(k, v, mask, 12, repeats=3, per_layer=per_layer, share_prompt=True)
+  stack = jnp.stack if per_layer else (lambda x: x)
+  assert shared.shares_prompt and not per_row.shares_prompt and shared.is_per_layer == per_layer
+  assert shared.max_len == 4 and int(shared.index) == 0 and not np.asarray(shared.valid).any()
+  assert stack(shared.prompt_k).shape == (cfg.num_layers, 4, cfg.num_kv_heads, cfg.resolved_head_dim, 8)
+  np.testing.assert_array_equal(stack(shared.prompt_k), stack(per_row.k)[:, ::3, ..., :8])
+  np.testing.assert_array_equal(stack(shared.prompt_v), stack(per_row.v)[:, ::3, :, :8])
+  np.testing.assert_array_equal(shared.prompt_valid, mask)
+  rng = np.random.default_rng(1)
+  start = jnp.repeat(mask.sum(1), 3)[:, None].astype(jnp.int32)
+  for T, offset in ((2, 0), (1, 2)):
+    step = jnp.asarray(rng.integers(1, cfg.vocab_size, (12, T)), jnp.int32)
+    pos = start + offset + jnp.arange(T)[None]
+    want, per_row = model(step, positions=pos, cache=per_row)
+    got, shared = model(step, positions=pos, cache=shared)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+  assert int(shared.index) == 3 and np.asarray(shared.valid)[:, :3].all()
+  np.testing.assert_allclose(stack(shared.k)[..., :3], stack(per_row.k)[..., 8:11], atol=1e-6)
+  np.testing.assert_allclose(stack(shared.v)[..., :3, :], stack(per_row.v)[..., 8:11, :], atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_attention_after_a_shared_prompt_equals_attention_over_the_copied_prompt(dtype):
+  """The two forms over a shared prompt (CPU single query; batched, for accelerators and calls
+  of several tokens) against the batched form over each row's own copy of the prompt followed by
+  its slots: GQA, padded prompt slots, masked own slots, a row that sees its prompt only."""
+  from mimo_jax.models.transformer import _attend, _attend_after_prompt, _single_query_attention
+
+  rng = np.random.default_rng(2)
+  N, R, P, S, K, G, H = 2, 3, 5, 4, 2, 3, 8
+  B = N * R
+  q = jnp.asarray(rng.normal(size=(B, 1, K, G, H)), dtype)
+  pk, pv = jnp.asarray(rng.normal(size=(N, K, H, P)), dtype), jnp.asarray(rng.normal(size=(N, K, P, H)), dtype)
+  k, v = jnp.asarray(rng.normal(size=(B, K, H, S)), dtype), jnp.asarray(rng.normal(size=(B, K, S, H)), dtype)
+  pvalid = jnp.asarray([[False, False, True, True, True], [True] * P])
+  mask = rng.random((B, 1, S)) < 0.6
+  mask[1] = False
+  mask = jnp.asarray(mask)
+  ref = _attend(
+    q,
+    jnp.concatenate([jnp.repeat(pk, R, axis=0), k], axis=-1),
+    jnp.concatenate([jnp.repeat(pv, R, axis=0), v], axis=-2),
+    jnp.concatenate([jnp.repeat(pvalid, R, axis=0)[:, None], mask], axis=-1),
+    "BKHS",
+    "BKSH",
+    dtype,
+  )
+  batched = _attend_after_prompt(q, k, v, mask, pk, pv, pvalid, dtype)
+  single = _single_query_attention(q[:, 0], k, v, mask[:, 0], dtype, (pk, pv, pvalid))[:, None]
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  for out in (batched, single):
+    assert out.dtype == dtype and out.shape == ref.shape
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
+  # Row 1 sees only its prompt's three real slots.
+  p_only = _attend(q[1:2], pk[:1, ..., 2:], pv[:1, :, 2:], jnp.ones((1, 1, 3), bool), "BKHS", "BKSH", dtype)
+  np.testing.assert_allclose(np.asarray(single[1:2], np.float32), np.asarray(p_only, np.float32), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_single_query_attention_equals_the_batched_form(dtype):
   """The CPU decode step's multiply-reduce attention against the batched-dot form the
@@ -265,43 +378,57 @@ def test_single_query_attention_equals_the_batched_form(dtype):
   assert np.isfinite(np.asarray(out[3], np.float32)).all()  # a fully masked row (a pad row) stays finite
 
 
-def test_the_decode_steps_attention_form_is_the_lowering_platforms():
+@pytest.mark.parametrize("shared_prompt", [False, True])
+def test_the_decode_steps_attention_form_is_the_lowering_platforms(shared_prompt):
   """One query per row: multiply-reduce when lowered for CPU, batched dots for an accelerator,
-  chosen by the platform the program is lowered for (a TPU dry run compiles on a CPU host)."""
-  from mimo_jax.models.transformer import Attention
+  chosen by the platform the program is lowered for (a TPU dry run compiles on a CPU host).
+  After a shared prompt, both forms take the prompt's two products as batched dots."""
+  from mimo_jax.models.transformer import Attention, _attend, _attend_after_prompt
 
-  D, N, K, H, B, S = 16, 4, 2, 8, 2, 6
+  D, N, K, H, B, S, Np, P = 16, 4, 2, 8, 4, 6, 2, 5
   attn = Attention(
     D, N, K, H, qkv_bias=False, o_bias=False, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)
   )
   graphdef, state = nnx.split(attn)
   inv_freq = 1.0 / (10000 ** (np.arange(0, H, 2) / H))
-
-  def step(state, x, positions, mask, k_cache, v_cache, index):
-    return nnx.merge(graphdef, state)(x, positions, mask, inv_freq, kv_cache=(k_cache, v_cache), cache_index=index)
-
   rng = np.random.default_rng(0)
+  prompt = None
+  if shared_prompt:
+    pvalid = jnp.asarray(rng.random((Np, P)) < 0.7).at[:, -1].set(True)
+    prompt = (
+      jnp.asarray(rng.normal(size=(Np, K, H, P)), jnp.float32),
+      jnp.asarray(rng.normal(size=(Np, K, P, H)), jnp.float32),
+      pvalid,
+    )
+
+  def step(state, x, positions, mask, k_cache, v_cache, index, prompt):
+    layer = nnx.merge(graphdef, state)
+    return layer(x, positions, mask, inv_freq, kv_cache=(k_cache, v_cache), cache_index=index, prompt_kv=prompt)
+
   x = jnp.asarray(rng.normal(size=(B, 1, D)), jnp.float32)
   k_cache = jnp.asarray(rng.normal(size=(B, K, H, S)), jnp.float32)
   v_cache = jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32)
   mask = jnp.asarray(rng.random((B, 1, S)) < 0.7).at[:, :, 3].set(True)
-  args = (state, x, jnp.full((B, 1), 3, jnp.int32), mask, k_cache, v_cache, jnp.int32(3))
+  args = (state, x, jnp.full((B, 1), 3, jnp.int32), mask, k_cache, v_cache, jnp.int32(3), prompt)
   traced = jax.jit(step).trace(*args)
-  # Four projections in either form; the accelerator's adds the two attention products.
+  # Four projections in either form; the accelerator's adds the two attention products, and
+  # both forms the shared prompt's two.
   dots = {
     p: traced.lower(lowering_platforms=(p,)).as_text().count("stablehlo.dot_general") for p in ("cpu", "tpu", "cuda")
   }
-  assert dots == {"cpu": 4, "tpu": 6, "cuda": 6}
+  extra = 2 if shared_prompt else 0
+  assert dots == {"cpu": 4 + extra, "tpu": 6 + extra, "cuda": 6 + extra}
   compiled = traced.lower().compile().as_text()
   assert "conditional" not in compiled  # the platform choice costs the CPU program nothing
   # What runs here (the CPU form) equals the batched form the accelerators get.
-  from mimo_jax.models.transformer import _attend
-
   out, _ = jax.jit(step)(*args)
   q, k, v = attn._qkv(x, jnp.full((B, 1), 3, jnp.int32), inv_freq)
   k_all = k_cache.at[..., 3:4].set(jnp.transpose(k, (0, 2, 3, 1)))
   v_all = v_cache.at[:, :, 3:4].set(jnp.transpose(v, (0, 2, 1, 3)))
-  batched = attn._output(_attend(q, k_all, v_all, mask, "BKHS", "BKSH", jnp.float32))
+  if shared_prompt:
+    batched = attn._output(_attend_after_prompt(q, k_all, v_all, mask, *prompt, jnp.float32))
+  else:
+    batched = attn._output(_attend(q, k_all, v_all, mask, "BKHS", "BKSH", jnp.float32))
   np.testing.assert_allclose(np.asarray(out), np.asarray(batched), atol=1e-5, rtol=1e-5)
 
 

@@ -229,24 +229,30 @@ def test_rl_steps_compile_nothing_after_warmup_and_keep_heldout_out(tmp_path):
   run.close()
 
 
-def test_the_scanned_decode_flag_reaches_the_runs_sampler_and_generates_the_same_rollout(tmp_path):
-  """--unrolled_decode=false: the run's sampler decodes over the scanned layer stack (no per-layer weight
-  copy); the first rollout's tokens are the default unrolled decode's."""
+@pytest.mark.parametrize("flag", ["--unrolled_decode=false", "--share_prompt_cache=false"])
+def test_the_decode_flags_reach_the_runs_sampler_and_generate_the_same_rollout(tmp_path, flag):
+  """--unrolled_decode=false (the scanned layer stack, no per-layer weight copy) and
+  --share_prompt_cache=false (the prompt's keys and values copied into every row): the run's sampler
+  takes the flag, and the first rollout's tokens are the defaults' (unrolled, one prompt copy per group)."""
   from mimo_jax.train.loop import RLRun
 
+  name, value = flag[2:].split("=")
   rollouts = {}
-  for flag in ("true", "false"):
-    run = RLRun(_cfg(tmp_path / flag, "--mesh_fsdp=8", f"--unrolled_decode={flag}"), str(tmp_path / flag))
+  for extra in ((), (flag,)):
+    path = tmp_path / str(len(extra))
+    run = RLRun(_cfg(path, "--mesh_fsdp=8", *extra), str(path))
     run.open_logger(None)
     try:
-      assert run.sampler.unrolled_decode is (flag == "true")
+      assert getattr(run.sampler, name) is (not extra)
+      # 8 prompts over 8 batch shards: the default shares each prompt's cache among its 4 rows.
+      assert run.sampler.shares_prompt_cache(8, 4) is (not extra or name != "share_prompt_cache")
       run.worker.update_params(run.rollout_params(run.fresh_state("rl").params))
-      rollouts[flag] = np.asarray(run.worker.produce(0, 0).experience.completion_tokens)
+      rollouts[extra] = np.asarray(run.worker.produce(0, 0).experience.completion_tokens)
     finally:
       run.close()
-  np.testing.assert_array_equal(rollouts["false"], rollouts["true"])
-  with pytest.raises(ConfigError, match="unrolled_decode"):
-    _cfg(tmp_path, "--unrolled_decode=sometimes")
+  np.testing.assert_array_equal(rollouts[(flag,)], rollouts[()])
+  with pytest.raises(ConfigError, match=name):
+    _cfg(tmp_path, f"--{name}=sometimes")
 
 
 def test_end_to_end_run_writes_the_run_directory(tmp_path, capsys):

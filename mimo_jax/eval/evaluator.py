@@ -543,9 +543,9 @@ def evaluate_checkpoint(
   graphdef, _ = abstract_state(lambda: Transformer(meta["_model"], rngs=nnx.Rngs(0)))
   model = nnx.merge(graphdef, params)
   # Fixed weights, many calls: the per-layer copy (of the unrolled decode) is made once.
-  unrolled = cfg.rollout.unrolled_decode
+  unrolled, shared = cfg.rollout.unrolled_decode, cfg.rollout.share_prompt_cache
   factory = rollout_factory or (
-    lambda m, mesh: Sampler(m, mesh=mesh, unrolled_decode=unrolled, keep_layer_copy=unrolled)
+    lambda m, mesh: Sampler(m, mesh=mesh, unrolled_decode=unrolled, keep_layer_copy=unrolled, share_prompt_cache=shared)
   )
   sampler = factory(model, mesh)
   rows = eval_rows(len(heldout), sampler.batch_shards)

@@ -154,10 +154,17 @@ class Attention(nnx.Module):
     kv_cache: tuple[jax.Array, jax.Array] | None = None,
     cache_index: jax.Array | None = None,
     queries: int | None = None,
+    prompt_kv: tuple[jax.Array, jax.Array, jax.Array] | None = None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Args: x [B,T,D]; positions [B,T]; mask [B,T,S] (True = attend); optional cache
     (k ``[B,K,H,S]``, v ``[B,K,S,H]``: the :class:`KVCache` layout) and the slot where this
     call's T tokens are written.
+
+    ``prompt_kv`` (with a cache): a prompt's keys ``[N, K, H, P]``, values ``[N, K, P, H]`` and
+    valid mask ``[N, P]``, one copy shared by ``B / N`` consecutive rows
+    (:meth:`KVCache.from_prompt` with ``share_prompt``).  The rows attend to it before their
+    own slots, in one softmax: the arithmetic of a cache that holds the prompt in every row,
+    up to the order of float sums.
 
     ``queries`` (no cache): only the last ``queries`` positions attend (``mask`` then has
     that many rows); keys and values still cover all T.
@@ -182,16 +189,27 @@ class Attention(nnx.Module):
       v_cache = jax.lax.dynamic_update_slice(v_cache, v_new, (zero, zero, cache_index, zero))
       new_cache = (k_cache, v_cache)
       k, v = k_cache.astype(dt), v_cache.astype(dt)
-      batched = functools.partial(_attend, k_spec="BKHS", v_spec="BKSH", dt=dt)
-      if T == 1:
-        # The form is the lowering platform's (an AOT compile for a TPU topology on a CPU host
-        # gets the accelerator's), not the host's default backend: only that branch is lowered.
+      if prompt_kv is None:
+        args = (q, k, v, mask_bts)
+        batched = functools.partial(_attend, k_spec="BKHS", v_spec="BKSH", dt=dt)
+
         def single(q, k, v, mask):
           return _single_query_attention(q[:, 0], k, v, mask[:, 0], dt)[:, None]
 
-        out = jax.lax.platform_dependent(q, k, v, mask_bts, cpu=single, default=batched)
       else:
-        out = batched(q, k, v, mask_bts)
+        pk, pv, pvalid = prompt_kv
+        args = (q, k, v, mask_bts, pk.astype(dt), pv.astype(dt), pvalid)
+        batched = functools.partial(_attend_after_prompt, dt=dt)
+
+        def single(q, k, v, mask, pk, pv, pvalid):
+          return _single_query_attention(q[:, 0], k, v, mask[:, 0], dt, (pk, pv, pvalid))[:, None]
+
+      if T == 1:
+        # The form is the lowering platform's (an AOT compile for a TPU topology on a CPU host
+        # gets the accelerator's), not the host's default backend: only that branch is lowered.
+        out = jax.lax.platform_dependent(*args, cpu=single, default=batched)
+      else:
+        out = batched(*args)
     return self._output(out), new_cache
 
   def _qkv(self, x_btd, positions_bt, inv_freq, queries=None):
@@ -265,7 +283,32 @@ def _attend(q_btkgh, k, v, mask_bts, k_spec: str, v_spec: str, dt) -> jax.Array:
   return jnp.einsum(f"BKGTS,{v_spec}->BTKGH", probs, v)
 
 
-def _single_query_attention(q_bkgh, k_bkhs, v_bksh, mask_bs, dt):
+def _attend_after_prompt(q_btkgh, k_bkhs, v_bksh, mask_bts, pk_nkhp, pv_nkph, pvalid_np, dt) -> jax.Array:
+  """:func:`_attend` over a shared prompt and the rows' own cache slots, in one softmax.
+
+  Rows ``n R .. n R + R - 1`` (``R = B / N``) read prompt ``n``'s keys ``[N, K, H, P]`` and
+  values ``[N, K, P, H]`` from one copy: on accelerators the prompt's products are batched
+  over the group's ``R x G`` queries.  Precision as :func:`_attend`; the two halves of the
+  output are summed in float32.  Returns ``[B, T, K, G, H]``.
+  """
+  B, T, K, G, H = q_btkgh.shape
+  N, P = pvalid_np.shape
+  R = B // N
+  f32 = jnp.float32
+  scale = np.sqrt(H).astype(np.float32)
+  q6 = q_btkgh.reshape(N, R, T, K, G, H)
+  sp = jnp.einsum("NRTKGH,NKHP->NRKGTP", q6, pk_nkhp, preferred_element_type=f32) / scale
+  sp = jnp.where(pvalid_np[:, None, None, None, None, :], sp, _MASK_VALUE).reshape(B, K, G, T, P)
+  so = jnp.einsum("BTKGH,BKHS->BKGTS", q_btkgh, k_bkhs, preferred_element_type=f32) / scale
+  so = jnp.where(mask_bts[:, None, None, :, :], so, _MASK_VALUE)
+  probs = jax.nn.softmax(jnp.concatenate([sp, so], axis=-1), axis=-1).astype(dt)
+  pp = probs[..., :P].reshape(N, R, K, G, T, P)
+  out_p = jnp.einsum("NRKGTP,NKPH->NRTKGH", pp, pv_nkph, preferred_element_type=f32).reshape(B, T, K, G, H)
+  out_s = jnp.einsum("BKGTS,BKSH->BTKGH", probs[..., P:], v_bksh, preferred_element_type=f32)
+  return (out_p + out_s).astype(dt)
+
+
+def _single_query_attention(q_bkgh, k_bkhs, v_bksh, mask_bs, dt, prompt_kv=None):
   """Attention of one query per row (a CPU decode step) as two multiply-reduce fusions.
 
   In the cache's layout both reductions run over a middle axis with a contiguous minor
@@ -275,13 +318,33 @@ def _single_query_attention(q_bkgh, k_bkhs, v_bksh, mask_bs, dt):
   products summed in float32, the probabilities rounded to the compute dtype, so the
   sampler's log-probs match the learner's forward.  Returns ``[B, K, G, H]`` in ``dt``.
   (Accelerators keep the batched form: there the products are matrix-unit work.)
+
+  With ``prompt_kv`` (see :func:`_attend_after_prompt`) the rows first attend to their
+  group's shared prompt: there ``R x G`` queries meet the same keys, so those two products
+  are batched dots over (prompt, KV head), and the prompt is read once per group.
   """
   f32 = jnp.float32  # q, k and v arrive in the compute dtype
+  scale = np.sqrt(q_bkgh.shape[-1]).astype(np.float32)
   scores = jnp.sum(q_bkgh.astype(f32)[..., None] * k_bkhs.astype(f32)[:, :, None], axis=3)  # [B, K, G, S]
-  scores = scores / np.sqrt(q_bkgh.shape[-1]).astype(np.float32)
+  scores = scores / scale
   scores = jnp.where(mask_bs[:, None, None, :], scores, _MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1).astype(dt).astype(f32)
-  return jnp.sum(probs[..., None] * v_bksh.astype(f32)[:, :, None], axis=3).astype(dt)
+  if prompt_kv is None:
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt).astype(f32)
+    return jnp.sum(probs[..., None] * v_bksh.astype(f32)[:, :, None], axis=3).astype(dt)
+  pk, pv, pvalid = prompt_kv
+  B, K, G, H = q_bkgh.shape
+  N, P = pvalid.shape
+  R = B // N
+  sp = jnp.einsum("NRKGH,NKHP->NRKGP", q_bkgh.reshape(N, R, K, G, H), pk, preferred_element_type=f32) / scale
+  sp = jnp.where(pvalid[:, None, None, None, :], sp, _MASK_VALUE).reshape(B, K, G, P)
+  # One softmax over both parts, without concatenating them.
+  top = jnp.maximum(jnp.max(sp, axis=-1, keepdims=True), jnp.max(scores, axis=-1, keepdims=True))
+  ep, es = jnp.exp(sp - top), jnp.exp(scores - top)
+  total = jnp.sum(ep, axis=-1, keepdims=True) + jnp.sum(es, axis=-1, keepdims=True)
+  pp, ps = (ep / total).astype(dt), (es / total).astype(dt).astype(f32)
+  out_p = jnp.einsum("NRKGP,NKPH->NRKGH", pp.reshape(N, R, K, G, P), pv, preferred_element_type=f32)
+  out_s = jnp.sum(ps[..., None] * v_bksh.astype(f32)[:, :, None], axis=3)
+  return (out_p.reshape(B, K, G, H) + out_s).astype(dt)
 
 
 class MLP(nnx.Module):
@@ -322,9 +385,10 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, param_dtype=param_dtype)
     self.mlp = MLP(cfg.d_model, cfg.mlp_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, positions, mask, inv_freq, kv_cache=None, cache_index=None, queries=None):
-    """``queries``: only the last that many positions come out (see :class:`Attention`)."""
-    h, new_cache = self.attn(self.attn_norm(x), positions, mask, inv_freq, kv_cache, cache_index, queries)
+  def __call__(self, x, positions, mask, inv_freq, kv_cache=None, cache_index=None, queries=None, prompt_kv=None):
+    """``queries``: only the last that many positions come out; ``prompt_kv``: a shared
+    prompt's keys and values (see :class:`Attention`)."""
+    h, new_cache = self.attn(self.attn_norm(x), positions, mask, inv_freq, kv_cache, cache_index, queries, prompt_kv)
     if queries is not None:
       x = x[:, -queries:]
     x = constrain(x + h.astype(x.dtype), ("batch", "seq", "act_embed"))
@@ -353,6 +417,11 @@ class KVCache:
   attention reduces over a middle axis with a contiguous minor one in both products, and
   a batched product finds its batch axes (row, KV head) leading.
 
+  A cache may also hold a shared prompt (:meth:`from_prompt` with ``share_prompt``): the
+  keys and values of ``N`` prompts, one copy each, read by ``B / N`` consecutive rows (the
+  samples of a prompt), which attend to it before their own slots.  The prompt is then
+  neither stored nor read ``B / N`` times.
+
   Attributes:
     k: ``[L, B, K, H, S]`` keys (compute dtype), or a tuple of ``L`` per-layer
       ``[B, K, H, S]`` arrays (see :meth:`per_layer`).
@@ -360,12 +429,18 @@ class KVCache:
     valid: ``[B, S]`` bool, which slots hold real (non-padding) tokens.
     index: int32 scalar, the next slot to write (shared by all rows: prompts are
       left-padded to a common length, so every row writes the same slot).
+    prompt_k, prompt_v: the shared prompt's keys ``[L, N, K, H, P]`` and values
+      ``[L, N, K, P, H]`` (per-layer tuples in the per-layer form), or None.
+    prompt_valid: ``[N, P]`` bool, the shared prompt's real tokens, or None.
   """
 
   k: jax.Array
   v: jax.Array
   valid: jax.Array
   index: jax.Array
+  prompt_k: Any = None
+  prompt_v: Any = None
+  prompt_valid: jax.Array | None = None
 
   @classmethod
   def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -389,6 +464,7 @@ class KVCache:
     repeats: int = 1,
     per_layer: bool = False,
     dtype=None,
+    share_prompt: bool = False,
   ) -> KVCache:
     """The cache after a prefill (:meth:`Decoder.prefill`): the prompt's keys and values in
     slots ``[0, T)``, empty slots up to ``max_len``, the next write at slot ``T``.
@@ -397,33 +473,54 @@ class KVCache:
     share its prefill); ``per_layer`` gives the decode loop's form (:meth:`per_layer`).
     Padding, fan-out and the per-layer split are one expression per buffer, so XLA writes
     each buffer once.
+
+    ``share_prompt``: the prompt is not fanned out but kept once per prompt
+    (``prompt_k``, ``prompt_v``, ``prompt_valid``) for its ``repeats`` rows; the rows' own
+    buffers then hold only the ``max_len - T`` slots after it, the next write at their slot 0.
     """
     T = k_lbtkh.shape[2]
     if max_len < T:
       raise ValueError(f"a cache of {max_len} slots cannot hold a prompt of {T} tokens")
     dtype = jnp.dtype(dtype or k_lbtkh.dtype)
 
-    def build(x, perm):  # [B, T, K, H] or [L, B, T, K, H] -> the cache layout
+    def build(x, perm, rows, slots):  # [B, T, K, H] or [L, B, T, K, H] -> the cache layout
       lead = x.ndim - 4
-      x = jnp.repeat(x.astype(dtype), repeats, axis=lead)
+      x = jnp.repeat(x.astype(dtype), rows, axis=lead) if rows > 1 else x.astype(dtype)
       x = jnp.transpose(x, tuple(range(lead)) + tuple(lead + i for i in perm))
       pad = [(0, 0)] * x.ndim
-      pad[lead + perm.index(1)] = (0, max_len - T)
+      pad[lead + perm.index(1)] = (0, slots - T)
       return jnp.pad(x, pad)
 
-    k_perm, v_perm = (0, 2, 3, 1), (0, 2, 1, 3)  # [B, K, H, S], [B, K, S, H]
-    if per_layer:
+    def per_layer_or_stacked(make):
       L = k_lbtkh.shape[0]
-      k = tuple(build(k_lbtkh[i], k_perm) for i in range(L))
-      v = tuple(build(v_lbtkh[i], v_perm) for i in range(L))
-    else:
-      k, v = build(k_lbtkh, k_perm), build(v_lbtkh, v_perm)
+      return tuple(make(i) for i in range(L)) if per_layer else make(slice(None))
+
+    k_perm, v_perm = (0, 2, 3, 1), (0, 2, 1, 3)  # [B, K, H, S], [B, K, S, H]
+    if share_prompt:
+      (N, _, K, H), M = k_lbtkh.shape[1:], max_len - T
+      lead = () if per_layer else (k_lbtkh.shape[0],)
+      return cls(
+        k=per_layer_or_stacked(lambda i: jnp.zeros((*lead, N * repeats, K, H, M), dtype)),
+        v=per_layer_or_stacked(lambda i: jnp.zeros((*lead, N * repeats, K, M, H), dtype)),
+        valid=jnp.zeros((N * repeats, M), bool),
+        index=jnp.zeros((), jnp.int32),
+        prompt_k=per_layer_or_stacked(lambda i: build(k_lbtkh[i], k_perm, 1, T)),
+        prompt_v=per_layer_or_stacked(lambda i: build(v_lbtkh[i], v_perm, 1, T)),
+        prompt_valid=mask_bt.astype(bool),
+      )
+    k = per_layer_or_stacked(lambda i: build(k_lbtkh[i], k_perm, repeats, max_len))
+    v = per_layer_or_stacked(lambda i: build(v_lbtkh[i], v_perm, repeats, max_len))
     valid = jnp.pad(jnp.repeat(mask_bt.astype(bool), repeats, axis=0), ((0, 0), (0, max_len - T)))
     return cls(k=k, v=v, valid=valid, index=jnp.asarray(T, jnp.int32))
 
   @property
   def max_len(self) -> int:
+    """The rows' own slots (after a shared prompt, when there is one)."""
     return self.valid.shape[1]
+
+  @property
+  def shares_prompt(self) -> bool:
+    return self.prompt_valid is not None
 
   @property
   def is_per_layer(self) -> bool:
@@ -435,9 +532,11 @@ class KVCache:
     if self.is_per_layer:
       return self
     L = self.k.shape[0]
-    return KVCache(
-      k=tuple(self.k[i] for i in range(L)), v=tuple(self.v[i] for i in range(L)), valid=self.valid, index=self.index
-    )
+
+    def split(x):
+      return None if x is None else tuple(x[i] for i in range(L))
+
+    return self.replace(k=split(self.k), v=split(self.v), prompt_k=split(self.prompt_k), prompt_v=split(self.prompt_v))
 
 
 K_CACHE_LOGICAL_AXES = ("layers", "batch", "kv_heads", "head_dim", "cache_seq")
@@ -644,7 +743,8 @@ class Decoder(nnx.Module):
       S = cache.max_len
       cache_index = cache.index
       valid = jax.lax.dynamic_update_slice(cache.valid, mask_bt, (jnp.zeros((), jnp.int32), cache_index))
-      # Query t sits in slot index + t and sees slots <= its own that hold real tokens.
+      # Query t sits in slot index + t and sees slots <= its own that hold real tokens (and
+      # every real token of a shared prompt, which precedes them all).
       q_slot = cache_index + jnp.arange(T)
       mask = (jnp.arange(S)[None, :] <= q_slot[:, None])[None] & valid[:, None, :]
 
@@ -669,23 +769,27 @@ class Decoder(nnx.Module):
       ks, vs = list(cache.k), list(cache.v)
       for i, state_l in enumerate(states):
         layer = nnx.merge(graphdef, state_l)
-        x, (ks[i], vs[i]) = layer(x, positions_bt, mask, inv_freq, (ks[i], vs[i]), cache_index)
-      new_cache = KVCache(k=tuple(ks), v=tuple(vs), valid=valid, index=cache_index + T)
+        prompt = (cache.prompt_k[i], cache.prompt_v[i], cache.prompt_valid) if cache.shares_prompt else None
+        x, (ks[i], vs[i]) = layer(x, positions_bt, mask, inv_freq, (ks[i], vs[i]), cache_index, prompt_kv=prompt)
+      new_cache = cache.replace(k=tuple(ks), v=tuple(vs), valid=valid, index=cache_index + T)
     else:
 
       def body(carry, xs):
         x, k_all, v_all = carry
-        state_l, i = xs
+        state_l, i, prompt_kv = xs
         layer = nnx.merge(graphdef, state_l)
         kv = (k_all[i], v_all[i])
-        y, (k_l, v_l) = layer(x, positions_bt, mask, inv_freq, kv, cache_index)
+        prompt = None if prompt_kv is None else (*prompt_kv, cache.prompt_valid)
+        y, (k_l, v_l) = layer(x, positions_bt, mask, inv_freq, kv, cache_index, prompt_kv=prompt)
         # In-place write of this layer's slice keeps the cache update O(slice).
         k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_l, i, axis=0)
         v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_l, i, axis=0)
         return (y, k_all, v_all), None
 
-      (x, k_all, v_all), _ = jax.lax.scan(body, (x, cache.k, cache.v), (layer_state, jnp.arange(cfg.num_layers)))
-      new_cache = KVCache(k=k_all, v=v_all, valid=valid, index=cache_index + T)
+      prompt_kv = (cache.prompt_k, cache.prompt_v) if cache.shares_prompt else None
+      xs = (layer_state, jnp.arange(cfg.num_layers), prompt_kv)
+      (x, k_all, v_all), _ = jax.lax.scan(body, (x, cache.k, cache.v), xs)
+      new_cache = cache.replace(k=k_all, v=v_all, valid=valid, index=cache_index + T)
 
     return self.final_norm(x), new_cache
 

@@ -4,9 +4,11 @@ One ``generate`` call is one jitted function of ``(params, prompts, temperatures
 
 1. **Prefill** the ``Np`` left-padded prompts ``[Np, P]`` once (attention over the
    prompt's own tokens).
-2. **Fan out** its keys and values into a cache of ``P + M`` slots for ``G`` samples
-   per prompt (``M`` = the static completion buffer; ``B = Np * G`` rows, the samples of
-   a prompt contiguous), and the last-position logits likewise.
+2. **Fan out** to ``G`` samples per prompt (``M`` = the static completion buffer;
+   ``B = Np * G`` rows, the samples of a prompt contiguous): the last-position logits, and
+   a cache of ``M`` slots per row after the prompt's keys and values, which its ``G`` rows
+   share (one copy per prompt, ``share_prompt_cache``; otherwise ``P + M`` slots per row,
+   the prompt copied into each).
 3. **Decode** in a ``lax.while_loop`` over a fixed ``[B, M]`` token buffer with a
    ``done`` mask; the loop exits early once every row has stopped.  The first token
    comes from the prefill's logits, so no forward runs after the last token.  By
@@ -126,6 +128,7 @@ class Sampler:
     cache_dtype: str | None = None,
     unrolled_decode: bool = True,
     keep_layer_copy: bool = False,
+    share_prompt_cache: bool = True,
   ):
     """Args:
     model: the policy; its parameters are read, never copied outside a generate call.
@@ -143,6 +146,12 @@ class Sampler:
       copy and slice no weight, at the price of one more copy of the layer weights held
       while the parameters stay unchanged.  Off in training, where the weights change
       every step and the copy would be held through the update.  Needs ``unrolled_decode``.
+    share_prompt_cache: keep a prompt's keys and values once for its ``num_samples`` rows
+      instead of once per row (:meth:`KVCache.from_prompt` with ``share_prompt``): the
+      decode steps read the prompt once per group, and its cache takes ``1 / num_samples``
+      of the memory.  The same tokens and log-probs up to the order of float sums.  Used
+      when ``num_samples > 1`` and the prompts split evenly over the batch shards (see
+      :meth:`shares_prompt_cache`).
     """
     if keep_layer_copy and not unrolled_decode:
       raise ValueError("keep_layer_copy=True needs unrolled_decode=True (the scanned decode reads the stacked weights)")
@@ -152,6 +161,7 @@ class Sampler:
     self.cache_dtype = cache_dtype
     self.unrolled_decode = unrolled_decode
     self.keep_layer_copy = keep_layer_copy
+    self.share_prompt_cache = share_prompt_cache
     self._graphdef, self._state = nnx.split(model)
     # (the parameter leaves it was made from, the per-layer weights); None until needed.
     self._layer_copy: tuple[list, tuple[nnx.State, ...]] | None = None
@@ -189,6 +199,11 @@ class Sampler:
     axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
     return int(np.prod([self.mesh.shape[a] for a in axes]))
 
+  def shares_prompt_cache(self, num_prompts: int, num_samples: int) -> bool:
+    """Whether a call with ``num_prompts`` x ``num_samples`` rows keeps each prompt's cache once
+    (a group's rows and its prompt then sit on the same batch shard)."""
+    return self.share_prompt_cache and num_samples > 1 and num_prompts % self.batch_shards == 0
+
   def _rules_ctx(self):
     if self.mesh is None:
       return contextlib.nullcontext()
@@ -225,7 +240,14 @@ class Sampler:
       # unrolled decode, split per layer) in one write per buffer.
       cache = _constrain_cache(
         KVCache.from_prompt(
-          k, v, prompt_mask, P + M, repeats=G, per_layer=self.unrolled_decode, dtype=self.cache_dtype or k.dtype
+          k,
+          v,
+          prompt_mask,
+          P + M,
+          repeats=G,
+          per_layer=self.unrolled_decode,
+          dtype=self.cache_dtype or k.dtype,
+          share_prompt=self.shares_prompt_cache(Np, G),
         )
       )
       # Unless kept between calls: one copy of the layer weights for the whole call, read in
@@ -401,14 +423,28 @@ def _lengths(tokens, stop_ids, stopped, t_end):
 
 
 def _constrain_cache(cache: KVCache) -> KVCache:
+  """The cache in the generation layout (a shared prompt's leading axis, its prompts, is split
+  over the batch shards like the rows that read it)."""
+  k_axes, v_axes = K_CACHE_LOGICAL_AXES, V_CACHE_LOGICAL_AXES
   if cache.is_per_layer:
-    k_axes, v_axes = K_CACHE_LOGICAL_AXES[1:], V_CACHE_LOGICAL_AXES[1:]
-    k = tuple(sharding.constrain(k, k_axes) for k in cache.k)
-    v = tuple(sharding.constrain(v, v_axes) for v in cache.v)
-  else:
-    k = sharding.constrain(cache.k, K_CACHE_LOGICAL_AXES)
-    v = sharding.constrain(cache.v, V_CACHE_LOGICAL_AXES)
-  return KVCache(k=k, v=v, valid=sharding.constrain(cache.valid, ("batch", "cache_seq")), index=cache.index)
+    k_axes, v_axes = k_axes[1:], v_axes[1:]
+
+  def put(x, axes):
+    if x is None:
+      return None
+    if isinstance(x, tuple):
+      return tuple(sharding.constrain(a, axes) for a in x)
+    return sharding.constrain(x, axes)
+
+  valid_axes = ("batch", "cache_seq")
+  return cache.replace(
+    k=put(cache.k, k_axes),
+    v=put(cache.v, v_axes),
+    valid=put(cache.valid, valid_axes),
+    prompt_k=put(cache.prompt_k, k_axes),
+    prompt_v=put(cache.prompt_v, v_axes),
+    prompt_valid=put(cache.prompt_valid, valid_axes),
+  )
 
 
 # ----------------------------------------------------------------------------

@@ -197,11 +197,6 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
   def nbytes(tree) -> int:
     return per_device_bytes(tree) if tree is not None else 0
 
-  L, K, H = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.resolved_head_dim
-  kv = (
-    _sds((L, B, K, H, P + M), jnp.dtype(model_cfg.dtype), gen_mesh, K_CACHE_LOGICAL_AXES),
-    _sds((L, B, K, P + M, H), jnp.dtype(model_cfg.dtype), gen_mesh, V_CACHE_LOGICAL_AXES),
-  )
   # The sampler's weights: the learner's own on a shared mesh, a copy in the generation layout on a
   # rollout sub-mesh (where they are all the rollout devices hold besides the KV cache).
   gen_params = abs_params
@@ -211,6 +206,24 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
       abs_params,
       sharding.generation_shardings(abs_params, rollout_mesh),
     )
+  r = cfg.rollout
+  sampler = Sampler(
+    nnx.merge(graphdef, gen_params),
+    mesh=gen_mesh,
+    unrolled_decode=r.unrolled_decode,
+    share_prompt_cache=r.share_prompt_cache,
+  )
+  L, K, H = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.resolved_head_dim
+  cache_dtype = jnp.dtype(model_cfg.dtype)
+
+  def cache(rows, slots):
+    return (
+      _sds((L, rows, K, H, slots), cache_dtype, gen_mesh, K_CACHE_LOGICAL_AXES),
+      _sds((L, rows, K, slots, H), cache_dtype, gen_mesh, V_CACHE_LOGICAL_AXES),
+    )
+
+  # A prompt's keys and values once for its G rows (a shared prompt), else in every row.
+  kv = (*cache(B, M), *cache(Np, P)) if sampler.shares_prompt_cache(Np, G) else cache(B, P + M)
   storage = {
     "params": nbytes(abs_params),
     "master": nbytes(policy.master),
@@ -271,7 +284,6 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
     times[name] = time.perf_counter() - t
 
   compile_program("learn", lambda: learner.learn.lower(abs_state, exp, step, faults))
-  sampler = Sampler(nnx.merge(graphdef, gen_params), mesh=gen_mesh, unrolled_decode=cfg.rollout.unrolled_decode)
   gen_replicated = NamedSharding(gen_mesh, PartitionSpec())
   compile_program(
     "generate",

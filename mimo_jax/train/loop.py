@@ -275,8 +275,10 @@ class RLRun:
     self.graphdef, self._init_params = nnx.split(model)
     rewarder = build_run_reward(cfg, self.task, self.tokenizer, self.mesh)
     self.heldout = self.task.heldout()[: cfg.data.eval_prompts]
-    unrolled = cfg.rollout.unrolled_decode
-    factory = rollout_factory or (lambda model, mesh: Sampler(model, mesh=mesh, unrolled_decode=unrolled))
+    unrolled, shared = cfg.rollout.unrolled_decode, cfg.rollout.share_prompt_cache
+    factory = rollout_factory or (
+      lambda model, mesh: Sampler(model, mesh=mesh, unrolled_decode=unrolled, share_prompt_cache=shared)
+    )
     self._generation_shardings = None
     if self.rollout_mesh is not None:
       self._generation_shardings = sharding.generation_shardings(self._init_params, self.rollout_mesh)
