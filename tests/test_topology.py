@@ -129,18 +129,25 @@ def test_a_gpu_node_is_compiled_by_the_cpu_compiler_with_the_caveat_stated(tmp_p
   from mimo_jax.train.dry_run import dry_run
 
   assert jax.device_count() == 8
-  cfg = parse_config(
-    [
+
+  def cfg_argv(run_dir):
+    return [
       "prog",
       f"--flagfile={FLAGS}/grpo_tiny.flags",
       "--model_preset=tiny",
       "--dry_run",
       "--dry_run_topology=gpu-8x80gb",
-      f"--run_dir={tmp_path}",
+      f"--run_dir={run_dir}",
     ]
-  )
+
+  cfg = parse_config(cfg_argv(tmp_path))
   report = dry_run(cfg)
   assert report["platform"] == "gpu" and report["topology"]["device_kind"] == "cpu"
   assert report["topology"]["device_memory_gib"] == pytest.approx(80e9 / 1024**3)
   assert "CPU compiler" in report["topology"]["caveat"] and report["fit"]["fits"]
   assert "caveat: compiled by the CPU compiler" in capsys.readouterr().out
+  # The KV cache counted: a prompt's 10 slots once for its 8 rows, 6 completion slots per row (16
+  # prompts x 8 rows); with --share_prompt_cache=false, 10 + 6 slots in every row.
+  per_row = dry_run(parse_config([*cfg_argv(tmp_path), "--share_prompt_cache=false"]))
+  kv, kv_per_row = report["per_device_gib"]["kv_cache"], per_row["per_device_gib"]["kv_cache"]
+  assert kv / kv_per_row == pytest.approx((16 * 10 + 128 * 6) / (128 * (10 + 6)), rel=1e-9)
