@@ -85,24 +85,31 @@ def test_logprobs_equal_full_forward_recompute(model, temperature, top_k, top_p)
     assert np.abs(np.asarray(wrong) - np.asarray(out.logprobs))[np.asarray(out.completion_mask)].max() > 1e-3
 
 
+def _decode_case(mesh_shape, *, seed, num_samples, key):
+  """A 3-layer GQA model (sharded over ``mesh_shape``, or on one device), the 4 prompts padded to
+  16, and generate's keywords: top-k sampling with stop ids, so some rows stop and some run on."""
+  cfg = tiny().replace(num_layers=3, num_heads=4, num_kv_heads=2, qkv_bias=True)
+  if mesh_shape is None:
+    mesh, model = None, Transformer(cfg, rngs=nnx.Rngs(seed))
+  else:
+    mesh = build_mesh(MeshConfig(*mesh_shape))
+    model = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)), mesh)
+  tokens, mask = left_pad(PROMPTS, 16, 0)
+  kw = dict(
+    num_samples=num_samples,
+    max_len=12,
+    sampling=SamplingParams(top_k=40, stop_ids=(3, 4)),
+    temperature=0.9,
+    key=jax.random.key(key),
+  )
+  return mesh, model, tokens, mask, kw
+
+
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
 def test_unrolled_decode_equals_the_scanned_stack(mesh_shape):
   """The default decode loop (per-layer caches and weights, layers unrolled) against the
   scanned stack it replaces: the same tokens, log-probs and stops, with and without a mesh."""
-  cfg = tiny().replace(num_layers=3, num_heads=4, num_kv_heads=2, qkv_bias=True)
-  if mesh_shape is None:
-    mesh, model = None, Transformer(cfg, rngs=nnx.Rngs(5))
-  else:
-    mesh = build_mesh(MeshConfig(*mesh_shape))
-    model = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(5)), mesh)
-  tokens, mask = left_pad(PROMPTS, 16, 0)
-  kw = dict(
-    num_samples=2,
-    max_len=12,
-    sampling=SamplingParams(top_k=40, stop_ids=(3, 4)),
-    temperature=0.9,
-    key=jax.random.key(7),
-  )
+  mesh, model, tokens, mask, kw = _decode_case(mesh_shape, seed=5, num_samples=2, key=7)
   scanned = Sampler(model, mesh=mesh, unrolled_decode=False).generate(tokens, mask, **kw)
   unrolled_sampler = Sampler(model, mesh=mesh)
   assert unrolled_sampler.unrolled_decode  # the default
@@ -125,20 +132,7 @@ def test_a_shared_prompt_cache_gives_the_per_row_caches_results_in_less_memory(m
   """share_prompt_cache (the default): a prompt's keys and values are kept once for its samples.
   Against a cache that copies the prompt into every row: the same tokens, stops and log-probs
   (per-layer and scanned decode, with and without a mesh), and a smaller program."""
-  cfg = tiny().replace(num_layers=3, num_heads=4, num_kv_heads=2, qkv_bias=True)
-  if mesh_shape is None:
-    mesh, model = None, Transformer(cfg, rngs=nnx.Rngs(6))
-  else:
-    mesh = build_mesh(MeshConfig(*mesh_shape))
-    model = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(6)), mesh)
-  tokens, mask = left_pad(PROMPTS, 16, 0)
-  kw = dict(
-    num_samples=3,
-    max_len=12,
-    sampling=SamplingParams(top_k=40, stop_ids=(3, 4)),
-    temperature=0.9,
-    key=jax.random.key(8),
-  )
+  mesh, model, tokens, mask, kw = _decode_case(mesh_shape, seed=6, num_samples=3, key=8)
   per_row = Sampler(model, mesh=mesh, unrolled_decode=unrolled, share_prompt_cache=False)
   shared = Sampler(model, mesh=mesh, unrolled_decode=unrolled)
   assert shared.shares_prompt_cache(4, 3) and not per_row.shares_prompt_cache(4, 3)
