@@ -543,10 +543,9 @@ def test_sampling_frequencies_match_truncated_distribution(temperature, top_k, t
   logits = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], np.float32)
   n = 40000
   keys = jax.random.split(jax.random.key(0), n)
-  f = jax.jit(
-    lambda k: sample_tokens(jnp.tile(logits, (n, 1)), k, jnp.full((n,), temperature), top_k=top_k, top_p=top_p)
-  )
-  tokens, logprob, sampler_logprob = f(keys)
+  # The inputs are arguments: closed over, they would be constants that XLA folds at compile time.
+  f = jax.jit(lambda lg, k, t: sample_tokens(lg, k, t, top_k=top_k, top_p=top_p))
+  tokens, logprob, sampler_logprob = f(jnp.tile(logits, (n, 1)), keys, jnp.full((n,), temperature, jnp.float32))
   expected = _truncated_probs(logits.astype(np.float64), temperature, top_k, top_p)
   freq = np.bincount(np.asarray(tokens), minlength=8) / n
   # 40k draws: the standard error of a frequency is <= 0.0025.
