@@ -6,6 +6,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import mimo_jax  # noqa: F401  (applies the defaults)
@@ -68,3 +69,26 @@ def test_a_peer_measured_beside_mimo_jax_gets_the_users_xla_flags(monkeypatch):
   assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2" and env["PATH"] == os.environ["PATH"]
   monkeypatch.setattr(xla_defaults, "_USER_XLA_FLAGS", None)
   assert "XLA_FLAGS" not in xla_defaults.user_environ()
+
+
+def test_the_learners_programs_compile_on_the_loop_emitters_on_cpu_only():
+  """The learner's programs take XLA:CPU's loop emitters (a shorter compilation); other platforms get XLA's
+  own options.  XLA accepts the option per program, and a product of the learner's kind compiled with it
+  computes what the fusion emitters compute (a renamed or dropped option would fail to compile here)."""
+  assert xla_defaults.learner_compiler_options("cpu") == {"xla_cpu_use_fusion_emitters": False}
+  assert xla_defaults.learner_compiler_options("tpu") is None and xla_defaults.learner_compiler_options("gpu") is None
+
+  def swiglu_loss(x, w_gate, w_up):
+    return jnp.mean(jax.nn.silu(x @ w_gate) * (x @ w_up))
+
+  keys = jax.random.split(jax.random.key(0), 3)
+  args = (
+    jax.random.normal(keys[0], (96, 64)),
+    jax.random.normal(keys[1], (64, 128)),
+    jax.random.normal(keys[2], (64, 128)),
+  )
+  grad = jax.value_and_grad(swiglu_loss, argnums=(1, 2))
+  default = jax.jit(grad)(*args)
+  loop = jax.jit(grad, compiler_options=xla_defaults.learner_compiler_options("cpu"))(*args)
+  for a, b in zip(jax.tree.leaves(default), jax.tree.leaves(loop), strict=True):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from mimo_jax import multihost, sharding
+from mimo_jax import multihost, sharding, xla_defaults
 from mimo_jax.config import Config
 from mimo_jax.models.config import ModelConfig
 from mimo_jax.models.logprobs import shares_prompts
@@ -572,10 +572,13 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
   def learn(state: LearnerState, exp: Experience, step: jax.Array, faults: Faults):
     return update_from(state, exp, score_rollout(state, exp), step, faults)
 
+  # The learner's programs compile on XLA:CPU's loop emitters (``xla_defaults.learner_compiler_options``).
+  platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+  options = xla_defaults.learner_compiler_options(platform)
   return Learner(
-    learn=StateLayoutJit(learn),
-    score=jax.jit(score_rollout),
-    update=StateLayoutJit(update_from),
+    learn=StateLayoutJit(learn, options),
+    score=jax.jit(score_rollout, compiler_options=options),
+    update=StateLayoutJit(update_from, options),
     tx=tx,
     schedule=schedule,
     value_tx=value_tx,
@@ -660,10 +663,11 @@ class StateLayoutJit:
   executable refuses the state it returned.  The layout of the first state given (every leaf's
   ``sharding``, arrays or ``ShapeDtypeStruct``s) is constrained on the output, so one program serves
   every step.  Without named shardings (one device, no mesh) nothing is constrained.
+  ``compiler_options``: ``jax.jit``'s, for this program.
   """
 
-  def __init__(self, fn: Any):
-    self._fn = fn
+  def __init__(self, fn: Any, compiler_options: dict | None = None):
+    self._fn, self._options = fn, compiler_options
     self._jitted = None
 
   def _jit(self, state: Any) -> Any:
@@ -682,7 +686,7 @@ class StateLayoutJit:
           ]
           return jax.tree.unflatten(treedef, leaves), out
 
-      self._jitted = jax.jit(fn, donate_argnums=(0,))
+      self._jitted = jax.jit(fn, donate_argnums=(0,), compiler_options=self._options)
     return self._jitted
 
   def __call__(self, state: Any, *args: Any) -> Any:
