@@ -11,6 +11,15 @@ do).  A flag the user already set in ``XLA_FLAGS`` is never overridden.
   in the last bits (another summation order), never on GPU or TPU, where the flag does
   nothing.  ``MIMO_JAX_CPU_DOTS=ynn`` keeps XLA's default.
 
+* ``PJRT_NPROC``, only with several emulated CPU devices (``--xla_force_host_platform_device_count``
+  or ``JAX_NUM_CPU_DEVICES`` above 1) and only where neither ``PJRT_NPROC`` nor ``NPROC`` is set:
+  XLA:CPU's thread pool gets :data:`CPU_POOL_THREADS_PER_DEVICE` threads per device instead of
+  one per core (at least one per device).  All emulated devices run their collectives on that one
+  pool, and a device waiting at a collective holds its thread until every device has arrived;
+  with one thread per device, a device whose next piece of work is queued behind the waiting ones
+  never arrives, and XLA aborts the process after its collective timeout (BUILD_NOTES, "Tests and
+  CI time").  A process with one CPU device is left as it is.
+
 One setting is per program rather than per process (:func:`learner_compiler_options`): the
 learner's programs compile on XLA:CPU with its loop emitters instead of the MLIR fusion emitters.
 """
@@ -23,8 +32,41 @@ CPU_DOTS_ENV = "MIMO_JAX_CPU_DOTS"
 _YNN_FUSION_FLAG = "xla_cpu_experimental_ynn_fusion_type"
 CPU_DEFAULT_FLAGS = (f"--{_YNN_FUSION_FLAG}=-individual_dot",)
 
-# XLA_FLAGS as the process found it, before :func:`apply` (None: unset).
+# XLA_FLAGS and PJRT_NPROC as the process found them, before :func:`apply` (None: unset).
 _USER_XLA_FLAGS: str | None = os.environ.get("XLA_FLAGS")
+_USER_PJRT_NPROC: str | None = os.environ.get("PJRT_NPROC")
+
+# XLA:CPU sizes the pool its emulated devices share from PJRT_NPROC (else NPROC, else the core
+# count), and never below the device count.  Eight threads per device: a device holds a pool thread
+# for each collective it has started and not finished, and programs whose collectives sit in a
+# while loop that runs asynchronously let a device start the next collective before the loop's
+# have finished, so a device can hold more than one.
+CPU_POOL_THREADS_PER_DEVICE = 8
+_POOL_SIZE_ENV = ("PJRT_NPROC", "NPROC")
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count="
+
+
+def emulated_cpu_devices(environ: dict | None = None) -> int:
+  """The CPU device count the environment asks XLA for (1 when it asks for none)."""
+  env = os.environ if environ is None else environ
+  counts = [1]
+  for flag in env.get("XLA_FLAGS", "").split():
+    if flag.startswith(_DEVICE_COUNT_FLAG) and flag[len(_DEVICE_COUNT_FLAG) :].isdigit():
+      counts = [int(flag[len(_DEVICE_COUNT_FLAG) :])]  # XLA takes the last one
+  jax_count = env.get("JAX_NUM_CPU_DEVICES", "").strip()
+  if jax_count.isdigit():
+    counts.append(int(jax_count))
+  return max(counts)
+
+
+def cpu_pool_threads(environ: dict | None = None) -> int | None:
+  """The XLA:CPU pool size :func:`apply` sets for the environment's emulated devices (None: leaves
+  XLA's own, with one device or when the user has sized the pool)."""
+  env = os.environ if environ is None else environ
+  devices = emulated_cpu_devices(env)
+  if devices <= 1 or any(env.get(name, "").strip() for name in _POOL_SIZE_ENV):
+    return None
+  return max(os.cpu_count() or 1, CPU_POOL_THREADS_PER_DEVICE * devices)
 
 
 # XLA:CPU compiles the learner's programs (the score pass, the update) with its loop emitters
@@ -42,12 +84,15 @@ def learner_compiler_options(platform: str) -> dict | None:
 
 
 def apply(environ: dict | None = None) -> list[str]:
-  """Appends the default CPU flags to ``XLA_FLAGS`` (those the user has not set); returns
-  the flags added."""
+  """Appends the default CPU flags to ``XLA_FLAGS`` (those the user has not set) and sizes
+  XLA:CPU's pool for emulated devices (:func:`cpu_pool_threads`); returns the flags added."""
   env = os.environ if environ is None else environ
   choice = env.get(CPU_DOTS_ENV, "").strip().lower() or "eigen"
   if choice not in ("eigen", "ynn"):
     raise ValueError(f"{CPU_DOTS_ENV}={env[CPU_DOTS_ENV]!r} is not allowed; allowed values: eigen, ynn")
+  threads = cpu_pool_threads(env)
+  if threads is not None:
+    env["PJRT_NPROC"] = str(threads)
   if choice == "ynn":
     return []
   current = env.get("XLA_FLAGS", "")
@@ -58,11 +103,12 @@ def apply(environ: dict | None = None) -> list[str]:
 
 
 def user_environ() -> dict:
-  """This process's environment with ``XLA_FLAGS`` as the user set it: for programs that are
-  not mimo-jax (a peer being measured), which should run on their own defaults."""
+  """This process's environment with ``XLA_FLAGS`` and ``PJRT_NPROC`` as the user set them: for
+  programs that are not mimo-jax (a peer being measured), which should run on their own defaults."""
   env = dict(os.environ)
-  if _USER_XLA_FLAGS is None:
-    env.pop("XLA_FLAGS", None)
-  else:
-    env["XLA_FLAGS"] = _USER_XLA_FLAGS
+  for name, value in (("XLA_FLAGS", _USER_XLA_FLAGS), ("PJRT_NPROC", _USER_PJRT_NPROC)):
+    if value is None:
+      env.pop(name, None)
+    else:
+      env[name] = value
   return env

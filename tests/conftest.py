@@ -31,6 +31,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 
+# mimo_jax sets its XLA:CPU defaults (the emulated devices' pool size among them) before the backend starts.
+import mimo_jax  # noqa: E402, F401
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 

@@ -92,3 +92,57 @@ def test_the_learners_programs_compile_on_the_loop_emitters_on_cpu_only():
   loop = jax.jit(grad, compiler_options=xla_defaults.learner_compiler_options("cpu"))(*args)
   for a, b in zip(jax.tree.leaves(default), jax.tree.leaves(loop), strict=True):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
+def _xla_pool_threads() -> int:
+  """Threads of XLA:CPU's intra-op pool in this process (TSL names them ``..XLAEigen``)."""
+  names = []
+  for tid in os.listdir("/proc/self/task"):
+    with open(f"/proc/self/task/{tid}/comm") as f:
+      names.append(f.read().strip())
+  return sum("XLAEigen" in name for name in names)
+
+
+def test_the_emulated_devices_pool_has_eight_threads_per_device_in_this_process():
+  """The suite runs on 8 emulated devices (conftest), so importing mimo_jax sized XLA:CPU's pool at
+  64 threads before the backend started; XLA's own size would be max(cores, devices) = 8 here."""
+  jax.block_until_ready(jax.jit(lambda a: a + 1)(jnp.ones(4)))  # the backend is up
+  assert jax.device_count() == 8
+  expected = max(64, os.cpu_count() or 1)
+  assert os.environ["PJRT_NPROC"] == str(expected) and _xla_pool_threads() == expected
+
+
+def test_the_pool_is_sized_only_for_several_emulated_devices_and_never_over_the_user():
+  many = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  xla_defaults.apply(many)
+  assert many["PJRT_NPROC"] == str(max(64, os.cpu_count() or 1))
+  # XLA takes the last device-count flag; JAX's own setting counts too.
+  assert (
+    xla_defaults.emulated_cpu_devices(
+      {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_force_host_platform_device_count=2"}
+    )
+    == 2
+  )
+  assert xla_defaults.emulated_cpu_devices({"JAX_NUM_CPU_DEVICES": "4"}) == 4
+  assert xla_defaults.emulated_cpu_devices({}) == 1
+  for env in (
+    {},
+    {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+    {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PJRT_NPROC": "12"},
+    {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "NPROC": "3"},
+  ):
+    before = env.get("PJRT_NPROC")
+    xla_defaults.apply(env)
+    assert env.get("PJRT_NPROC") == before
+  # The choice of matmul kernels does not change it.
+  ynn = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "MIMO_JAX_CPU_DOTS": "ynn"}
+  xla_defaults.apply(ynn)
+  assert ynn["PJRT_NPROC"] == str(max(16, os.cpu_count() or 1))
+
+
+def test_a_peer_does_not_inherit_the_pool_size(monkeypatch):
+  monkeypatch.setattr(xla_defaults, "_USER_PJRT_NPROC", None)
+  monkeypatch.setenv("PJRT_NPROC", "64")
+  assert "PJRT_NPROC" not in xla_defaults.user_environ()
+  monkeypatch.setattr(xla_defaults, "_USER_PJRT_NPROC", "5")
+  assert xla_defaults.user_environ()["PJRT_NPROC"] == "5"
