@@ -1,6 +1,8 @@
 """Rollout: greedy == argmax of the full forward, exact log-probs, stops, no recompiles,
 sampling statistics, agreement with transformers' greedy generate."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -234,6 +236,65 @@ def test_per_layer_cache_decode_step_equals_the_stacked_one(model):
     np.testing.assert_allclose(jnp.stack(new.k), ref_cache.k, atol=1e-6)
     np.testing.assert_allclose(jnp.stack(new.v), ref_cache.v, atol=1e-6)
     assert int(new.index) == int(ref_cache.index) == 9
+
+
+def test_fused_projections_give_the_separate_ones_results_with_three_fewer_products_per_layer(model):
+  """A cached step with q|k|v and gate|up each as one product: the same logits and cache as the
+  separate products, and per layer 4 products (qkv, o, gate|up, down) where there were 7.  Asked
+  for without a per-layer cache (the scanned stack), it is ignored."""
+  cfg = model.config
+  tokens, mask = left_pad(PROMPTS, 8, 0)
+  _, cache = model(jnp.asarray(tokens), attention_mask=jnp.asarray(mask), cache=KVCache.init(cfg, len(PROMPTS), 12))
+  step = jnp.asarray([[20], [21], [22], [23]], jnp.int32)
+  pos = jnp.asarray(mask.sum(1, keepdims=True), jnp.int32)
+  graphdef, state = nnx.split(model)
+  layers = model.decoder.layer_states()
+
+  @functools.partial(jax.jit, static_argnames="fuse")
+  def call(state, layers, cache, fuse):
+    return nnx.merge(graphdef, state)(step, positions=pos, cache=cache, layers=layers, fuse_projections=fuse)
+
+  per_layer = cache.per_layer()
+  (ref_logits, ref_cache), (logits, new) = (call(state, layers, per_layer, fuse=f) for f in (False, True))
+  np.testing.assert_allclose(logits, ref_logits, atol=1e-5)
+  for a, b in zip(new.k + new.v, ref_cache.k + ref_cache.v, strict=True):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  dots = {f: call.lower(state, layers, per_layer, fuse=f).as_text().count("dot_general") for f in (False, True)}
+  assert dots[False] - dots[True] == 3 * cfg.num_layers
+  stacked = {f: call.lower(state, layers, cache, fuse=f).as_text().count("dot_general") for f in (False, True)}
+  assert stacked[True] == stacked[False]
+
+
+def test_a_small_cpu_decode_fuses_its_projections_unless_the_weights_are_split():
+  """The sampler's rule: on CPU, FUSED_DECODE_ROWS rows per batch shard and weights whose feature
+  axes are not split over devices; never for the scanned decode; an explicit choice wins."""
+  from mimo_jax.rollout.sampler import FUSED_DECODE_ROWS
+
+  low, high = FUSED_DECODE_ROWS
+  _, model, *_ = _decode_case(None, seed=0, num_samples=1, key=0)
+  sampler = Sampler(model)
+  assert sampler.fuses_projections(low) and sampler.fuses_projections(high)
+  assert not sampler.fuses_projections(low - 1) and not sampler.fuses_projections(high + 1)
+  assert not Sampler(model, unrolled_decode=False).fuses_projections(high)
+  assert not Sampler(model, fuse_projections=False).fuses_projections(high)
+  assert Sampler(model, fuse_projections=True).fuses_projections(1)
+  data_parallel = build_mesh(MeshConfig(2, 4, 1))  # 8 batch shards: the rows per shard count
+  assert Sampler(model, mesh=data_parallel).fuses_projections(8 * high)
+  assert not Sampler(model, mesh=data_parallel).fuses_projections(8 * high + 8)
+  assert not Sampler(model, mesh=build_mesh(MeshConfig(2, 2, 2))).fuses_projections(4 * high)  # heads, mlp split
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 4, 1)])
+def test_a_fused_decode_samples_what_the_separate_products_sample(mesh_shape):
+  """Whole generate calls (top-k sampling, stops, a shared prompt) with the products fused and
+  not: the same tokens, stops and log-probs."""
+  mesh, model, tokens, mask, kw = _decode_case(mesh_shape, seed=5, num_samples=2, key=7)
+  separate = Sampler(model, mesh=mesh, fuse_projections=False).generate(tokens, mask, **kw)
+  fused = Sampler(model, mesh=mesh, fuse_projections=True).generate(tokens, mask, **kw)
+  np.testing.assert_array_equal(fused.completion_tokens, separate.completion_tokens)
+  np.testing.assert_array_equal(fused.finish_reason, separate.finish_reason)
+  np.testing.assert_allclose(fused.logprobs, separate.logprobs, atol=1e-6)
+  assert set(np.asarray(fused.finish_reason).tolist()) == {FINISH_STOP, FINISH_LENGTH}
 
 
 @pytest.mark.parametrize("per_layer", [False, True])

@@ -59,10 +59,11 @@ def _timed(fn, *args) -> float:
   return time.perf_counter() - t0
 
 
-def ours(model, prompts, new_tokens, keep_layer_copy=True):
+def ours(model, prompts, new_tokens, keep_layer_copy=True, fuse_projections=None):
   """(run(n) -> None, tokens): greedy generation of n tokens with the trainer's sampler
-  (by default as ``rollout.generate`` builds it: the per-layer weights kept between calls)."""
-  sampler = Sampler(model, keep_layer_copy=keep_layer_copy)
+  (by default as ``rollout.generate`` builds it: the per-layer weights kept between calls;
+  ``fuse_projections``: the sampler's option, None for its rule)."""
+  sampler = Sampler(model, keep_layer_copy=keep_layer_copy, fuse_projections=fuse_projections)
   tokens, mask = left_pad(prompts, len(prompts[0]), 0)
   kw = dict(num_samples=1, max_len=new_tokens, sampling=SamplingParams(), temperature=0.0, key=jax.random.key(0))
 
@@ -174,6 +175,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="kept: the per-layer weights made once and kept between calls (rollout.generate's sampler); "
     "per_call: copied inside every call (the trainer's sampler)",
   )
+  parser.add_argument(
+    "--also_separate_projections",
+    action="store_true",
+    help="also time mimo-jax with q|k|v and gate|up as separate products (side 'separate'), alternated with "
+    "the default, which fuses them at small batches on CPU",
+  )
   args = parser.parse_args(argv)
   try:
     args.batches = [int(b) for b in args.batch.split(",")]
@@ -212,7 +219,10 @@ def main(argv=None):
   for B in args.batches:
     prompts = rng.integers(1, cfg.vocab_size, (B, args.prompt_len)).tolist()
     N, P = args.new_tokens, args.prompt_len
-    sides = {"mimo-jax": ours(model, prompts, N, keep_layer_copy=args.layer_copy == "kept")}
+    kept = args.layer_copy == "kept"
+    sides = {"mimo-jax": ours(model, prompts, N, keep_layer_copy=kept)}
+    if args.also_separate_projections:
+      sides["separate"] = ours(model, prompts, N, keep_layer_copy=kept, fuse_projections=False)
     if not args.no_baselines:
       sides["transformers"] = transformers_side(tmp, prompts, N, args.dtype)
     times = {name: ([], []) for name in sides}
@@ -222,7 +232,7 @@ def main(argv=None):
         times[name][1].append(_timed(run, N))
     rows = {name: _rates(B, P, N, *times[name]) for name in sides}
     record: dict = {"batch": B, "prompt_len": P, "new_tokens": N, "repeats": args.repeats, "model": cfg.name}
-    record.update(layer_copy=args.layer_copy, **rows)
+    record.update(layer_copy=args.layer_copy, fused_projections=Sampler(model).fuses_projections(B), **rows)
     step_bytes = decode_bytes_per_step(cfg, B, P + N)
     gbps = step_bytes * rows["mimo-jax"]["decode_tok_s"] / B / 1e9
     record["mimo-jax"].update(decode_bytes_per_step=step_bytes, decode_gbps=round(gbps, 2))

@@ -155,6 +155,7 @@ class Attention(nnx.Module):
     cache_index: jax.Array | None = None,
     queries: int | None = None,
     prompt_kv: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    fuse_projections: bool = False,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Args: x [B,T,D]; positions [B,T]; mask [B,T,S] (True = attend); optional cache
     (k ``[B,K,H,S]``, v ``[B,K,S,H]``: the :class:`KVCache` layout) and the slot where this
@@ -169,13 +170,16 @@ class Attention(nnx.Module):
     ``queries`` (no cache): only the last ``queries`` positions attend (``mask`` then has
     that many rows); keys and values still cover all T.
 
+    ``fuse_projections``: queries, keys and values from one product with the three weights
+    side by side (see :meth:`_qkv`).
+
     Returns: output [B,T,D] (or [B,queries,D]) and the updated cache; without a cache, this
     call's keys and values ``[B,T,K,H]`` (after RoPE; a prefill writes them into a fresh cache).
     """
     dt = self.dtype
     if queries is not None and kv_cache is not None:
       raise ValueError("queries= is for a call without a cache (a prefill's last layer)")
-    q, k, v = self._qkv(x_btd, positions_bt, inv_freq, queries)
+    q, k, v = self._qkv(x_btd, positions_bt, inv_freq, queries, fuse_projections)
     B, T = q.shape[:2]
     if kv_cache is None:
       new_cache = (k, v)  # unused (and dead code to XLA) except by a prefill
@@ -212,15 +216,29 @@ class Attention(nnx.Module):
         out = batched(*args)
     return self._output(out), new_cache
 
-  def _qkv(self, x_btd, positions_bt, inv_freq, queries=None):
+  def _qkv(self, x_btd, positions_bt, inv_freq, queries=None, fuse=False):
     """Queries ``[B, T, K, G, H]`` (grouped by the KV head they share; the last ``queries``
-    positions only, when given), keys and values ``[B, T, K, H]``, RoPE applied."""
+    positions only, when given), keys and values ``[B, T, K, H]``, RoPE applied.
+
+    ``fuse``: one product ``x @ [w_q | w_k | w_v]`` instead of three (for a decode step, whose
+    few rows make each product's fixed cost count; the concatenated weight is loop-invariant in a
+    decode loop over per-layer weights, so XLA builds it once per call).
+    """
     dt = self.dtype
     x = x_btd.astype(dt)
     x_q, positions_q = (x, positions_bt) if queries is None else (x[:, -queries:], positions_bt[:, -queries:])
-    q = project(x_q, self.w_q_dnh[...].astype(dt))
-    k = project(x, self.w_k_dkh[...].astype(dt))
-    v = project(x, self.w_v_dkh[...].astype(dt))
+    if fuse and queries is None:
+      ws = (self.w_q_dnh[...], self.w_k_dkh[...], self.w_v_dkh[...])
+      D = x.shape[-1]
+      qkv = project(x, jnp.concatenate([w.astype(dt).reshape(D, -1) for w in ws], axis=1))
+      widths = np.cumsum([math.prod(w.shape[1:]) for w in ws])[:2]
+      q, k, v = (
+        part.reshape(*x.shape[:2], *w.shape[1:]) for part, w in zip(jnp.split(qkv, widths, axis=-1), ws, strict=True)
+      )
+    else:
+      q = project(x_q, self.w_q_dnh[...].astype(dt))
+      k = project(x, self.w_k_dkh[...].astype(dt))
+      v = project(x, self.w_v_dkh[...].astype(dt))
     if self.b_q_nh is not None:
       q = q + self.b_q_nh[...].astype(dt)
       k = k + self.b_k_kh[...].astype(dt)
@@ -356,11 +374,17 @@ class MLP(nnx.Module):
     self.w_up_df = nnx.Param(_normal(rngs, (d_model, mlp_dim), param_dtype), logical_axes=("embed", "mlp"))
     self.w_down_fd = nnx.Param(_normal(rngs, (mlp_dim, d_model), param_dtype), logical_axes=("mlp", "embed"))
 
-  def __call__(self, x_btd: jax.Array) -> jax.Array:
+  def __call__(self, x_btd: jax.Array, fuse_projections: bool = False) -> jax.Array:
+    """``fuse_projections``: gate and up from one product ``x @ [w_gate | w_up]`` (see
+    :meth:`Attention._qkv`)."""
     dt = self.dtype
     x = x_btd.astype(dt)
-    gate = project(x, self.w_gate_df[...].astype(dt))
-    up = project(x, self.w_up_df[...].astype(dt))
+    if fuse_projections:
+      w = jnp.concatenate([self.w_gate_df[...].astype(dt), self.w_up_df[...].astype(dt)], axis=1)
+      gate, up = jnp.split(project(x, w), 2, axis=-1)
+    else:
+      gate = project(x, self.w_gate_df[...].astype(dt))
+      up = project(x, self.w_up_df[...].astype(dt))
     h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
     return project(h, self.w_down_fd[...].astype(dt))
 
@@ -385,14 +409,28 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, param_dtype=param_dtype)
     self.mlp = MLP(cfg.d_model, cfg.mlp_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, positions, mask, inv_freq, kv_cache=None, cache_index=None, queries=None, prompt_kv=None):
+  def __call__(
+    self,
+    x,
+    positions,
+    mask,
+    inv_freq,
+    kv_cache=None,
+    cache_index=None,
+    queries=None,
+    prompt_kv=None,
+    fuse_projections=False,
+  ):
     """``queries``: only the last that many positions come out; ``prompt_kv``: a shared
-    prompt's keys and values (see :class:`Attention`)."""
-    h, new_cache = self.attn(self.attn_norm(x), positions, mask, inv_freq, kv_cache, cache_index, queries, prompt_kv)
+    prompt's keys and values; ``fuse_projections``: q|k|v and gate|up each as one product (see
+    :class:`Attention`)."""
+    h, new_cache = self.attn(
+      self.attn_norm(x), positions, mask, inv_freq, kv_cache, cache_index, queries, prompt_kv, fuse_projections
+    )
     if queries is not None:
       x = x[:, -queries:]
     x = constrain(x + h.astype(x.dtype), ("batch", "seq", "act_embed"))
-    x = x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
+    x = x + self.mlp(self.mlp_norm(x), fuse_projections).astype(x.dtype)
     return constrain(x, ("batch", "seq", "act_embed")), new_cache
 
   def with_prompt(self, x, positions, prompt_len, mask_pp, mask_ss, inv_freq):
@@ -716,6 +754,7 @@ class Decoder(nnx.Module):
     mask_bt: jax.Array,
     cache: KVCache | None = None,
     layers: tuple[nnx.State, ...] | None = None,
+    fuse_projections: bool = False,
   ) -> tuple[jax.Array, KVCache | None]:
     """Runs the stack.
 
@@ -727,6 +766,9 @@ class Decoder(nnx.Module):
         per-layer cache runs the layers as an unrolled loop.
       layers: with a per-layer cache, the weights from :meth:`layer_states` (default:
         sliced here); ignored otherwise.
+      fuse_projections: with a per-layer cache, q|k|v and gate|up each as one product
+        (:meth:`Attention._qkv`); ignored otherwise (a scanned stack would concatenate the
+        weights at every call).
 
     Returns:
       Final-normed hidden states ``[B, T, D]`` (compute dtype) and the updated cache.
@@ -770,7 +812,16 @@ class Decoder(nnx.Module):
       for i, state_l in enumerate(states):
         layer = nnx.merge(graphdef, state_l)
         prompt = (cache.prompt_k[i], cache.prompt_v[i], cache.prompt_valid) if cache.shares_prompt else None
-        x, (ks[i], vs[i]) = layer(x, positions_bt, mask, inv_freq, (ks[i], vs[i]), cache_index, prompt_kv=prompt)
+        x, (ks[i], vs[i]) = layer(
+          x,
+          positions_bt,
+          mask,
+          inv_freq,
+          (ks[i], vs[i]),
+          cache_index,
+          prompt_kv=prompt,
+          fuse_projections=fuse_projections,
+        )
       new_cache = cache.replace(k=tuple(ks), v=tuple(vs), valid=valid, index=cache_index + T)
     else:
 
@@ -824,13 +875,13 @@ class Transformer(nnx.Module):
     logits = project(hidden_btd.astype(dt), self.unembedding().astype(dt), preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", "seq", "vocab"))
 
-  def hidden(self, tokens_bt, *, attention_mask=None, positions=None, cache=None, layers=None):
+  def hidden(self, tokens_bt, *, attention_mask=None, positions=None, cache=None, layers=None, fuse_projections=False):
     """Final hidden states ``[B, T, D]`` and the updated cache (see :meth:`Decoder.__call__`)."""
     if attention_mask is None:
       attention_mask = jnp.ones(tokens_bt.shape, bool)
     if positions is None:
       positions = positions_from_mask(attention_mask)
-    return self.decoder(tokens_bt, positions, attention_mask, cache, layers)
+    return self.decoder(tokens_bt, positions, attention_mask, cache, layers, fuse_projections)
 
   def __call__(
     self,
@@ -840,6 +891,7 @@ class Transformer(nnx.Module):
     positions: jax.Array | None = None,
     cache: KVCache | None = None,
     layers: tuple[nnx.State, ...] | None = None,
+    fuse_projections: bool = False,
   ) -> Any:
     """Logits for a batch.
 
@@ -850,12 +902,18 @@ class Transformer(nnx.Module):
       positions: int32 ``[B, T]``; by default counted over the real tokens.
       cache: optional KV cache; when given, returns ``(logits, new_cache)``.
       layers: per-layer weights for a per-layer cache (:meth:`Decoder.layer_states`).
+      fuse_projections: see :meth:`Decoder.__call__`.
 
     Returns:
       float32 logits ``[B, T, V]`` (and the updated cache when one is passed).
     """
     hidden, new_cache = self.hidden(
-      tokens_bt, attention_mask=attention_mask, positions=positions, cache=cache, layers=layers
+      tokens_bt,
+      attention_mask=attention_mask,
+      positions=positions,
+      cache=cache,
+      layers=layers,
+      fuse_projections=fuse_projections,
     )
     logits = self.logits_from_hidden(hidden)
     return logits if cache is None else (logits, new_cache)
