@@ -219,7 +219,7 @@ class Sampler:
     """Whether a decode step over ``rows`` rows computes q|k|v and gate|up as one product each.
 
     Measured on XLA:CPU (BUILD_NOTES, "One product for q|k|v and one for gate|up in a small decode
-    step"): generation 3-8% faster with 8 to 16 rows, 13% slower with 1 and 10% slower with 64
+    step"): generation 2-8% faster with 8 to 16 rows, 13% slower with 1 and 10% slower with 64
     (Eigen's kernels block the wider product differently).  Weights whose feature axes are split
     over devices are never fused (the concatenation would move them).
     """
