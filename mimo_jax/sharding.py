@@ -151,6 +151,12 @@ def initialize_distributed(cfg: MeshConfig) -> None:
     )
 
 
+def mesh_platform(mesh: Mesh | None) -> str:
+  """The platform a mesh's programs run on (``cpu``, ``gpu``, ``tpu``); without a mesh, JAX's default
+  backend.  A mesh of an AOT topology (a TPU dry run on a CPU host) gives the topology's."""
+  return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
 def build_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """Builds the one global mesh with axes (data, fsdp, tensor).
 

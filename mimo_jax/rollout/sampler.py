@@ -227,9 +227,8 @@ class Sampler:
       return False
     if self.fuse_projections is not None:
       return self.fuse_projections
-    platform = self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
     low, high = FUSED_DECODE_ROWS
-    if platform != "cpu" or not low <= rows // self.batch_shards <= high:
+    if sharding.mesh_platform(self.mesh) != "cpu" or not low <= rows // self.batch_shards <= high:
       return False
     if self.mesh is None:
       return True

@@ -573,8 +573,7 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
     return update_from(state, exp, score_rollout(state, exp), step, faults)
 
   # The learner's programs compile on XLA:CPU's loop emitters (``xla_defaults.learner_compiler_options``).
-  platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-  options = xla_defaults.learner_compiler_options(platform)
+  options = xla_defaults.learner_compiler_options(sharding.mesh_platform(mesh))
   return Learner(
     learn=StateLayoutJit(learn, options),
     score=jax.jit(score_rollout, compiler_options=options),

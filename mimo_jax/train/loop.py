@@ -339,7 +339,7 @@ class RLRun:
     self.best_ckpt = None
     self.nan_steps = set(cfg.run.debug_nan_steps)
     self.spike_steps = set(cfg.run.debug_lr_spike_steps)
-    self.time_split = resolve_time_split(cfg.logging.time_split, self.mesh.devices.flat[0].platform, self.mesh.size)
+    self.time_split = resolve_time_split(cfg.logging.time_split, sharding.mesh_platform(self.mesh), self.mesh.size)
     # --compile_ahead: the learner's programs compile in a thread while this process's first rollout
     # generates (set up by the first RL step; joined before the first learner call).
     self._ahead_pending = cfg.run.compile_ahead
