@@ -9,7 +9,9 @@ do).  A flag the user already set in ``XLA_FLAGS`` is never overridden.
   (batch-16 decode steps, the learner's [tokens x d_model] products) Eigen's were faster;
   the measurements are in BUILD_NOTES ("XLA:CPU matmul kernels").  It changes CPU results
   in the last bits (another summation order), never on GPU or TPU, where the flag does
-  nothing.  ``MIMO_JAX_CPU_DOTS=ynn`` keeps XLA's default.
+  nothing.  ``MIMO_JAX_CPU_DOTS=ynn`` keeps XLA's default, ``MIMO_JAX_CPU_DOTS=eigen`` takes
+  Eigen's everywhere; unset, one kind of program may still ask for YNNPACK's
+  (:func:`ynn_dots_compiler_options`).
 
 * ``PJRT_NPROC``, only with several emulated CPU devices (``--xla_force_host_platform_device_count``
   or ``JAX_NUM_CPU_DEVICES`` above 1) and only where neither ``PJRT_NPROC`` nor ``NPROC`` is set:
@@ -20,8 +22,10 @@ do).  A flag the user already set in ``XLA_FLAGS`` is never overridden.
   never arrives, and XLA aborts the process after its collective timeout (BUILD_NOTES, "Tests and
   CI time").  A process with one CPU device is left as it is.
 
-One setting is per program rather than per process (:func:`learner_compiler_options`): the
-learner's programs compile on XLA:CPU with its loop emitters instead of the MLIR fusion emitters.
+Two settings are per program rather than per process: the learner's programs compile on XLA:CPU
+with its loop emitters instead of the MLIR fusion emitters (:func:`learner_compiler_options`), and
+the sampler's generate program takes YNNPACK's products at the row counts where they were measured
+faster (:func:`ynn_dots_compiler_options`, chosen by ``Sampler.uses_ynn_dots``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,12 @@ import os
 CPU_DOTS_ENV = "MIMO_JAX_CPU_DOTS"
 _YNN_FUSION_FLAG = "xla_cpu_experimental_ynn_fusion_type"
 CPU_DEFAULT_FLAGS = (f"--{_YNN_FUSION_FLAG}=-individual_dot",)
+CPU_DOTS_CHOICES = ("eigen", "ynn")
+# XLA:CPU's own list of the work it hands to YNNPACK, as a program's option spells it.  The option
+# replaces the whole list (XLA does not expose its default), so this is the default written out;
+# tests/test_xla_defaults.py checks that a program compiled with it is the program XLA compiles
+# without our flag.
+XLA_DEFAULT_YNN_FUSIONS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"
 
 # XLA_FLAGS and PJRT_NPROC as the process found them, before :func:`apply` (None: unset).
 _USER_XLA_FLAGS: str | None = os.environ.get("XLA_FLAGS")
@@ -83,13 +93,31 @@ def learner_compiler_options(platform: str) -> dict | None:
   return dict(CPU_LEARNER_COMPILER_OPTIONS) if platform == "cpu" else None
 
 
+def cpu_dots_choice(environ: dict | None = None) -> str | None:
+  """``MIMO_JAX_CPU_DOTS`` as set (``eigen`` or ``ynn``, any case); None when unset or blank."""
+  env = os.environ if environ is None else environ
+  choice = env.get(CPU_DOTS_ENV, "").strip().lower() or None
+  if choice is not None and choice not in CPU_DOTS_CHOICES:
+    raise ValueError(
+      f"{CPU_DOTS_ENV}={env[CPU_DOTS_ENV]!r} is not allowed; allowed values: {', '.join(CPU_DOTS_CHOICES)}"
+    )
+  return choice
+
+
+def ynn_dots_compiler_options(platform: str) -> dict | None:
+  """``jax.jit``'s ``compiler_options`` that give one program YNNPACK's products (XLA:CPU's own
+  default) in a process whose default is Eigen's; None where the process's choice stands: not CPU,
+  ``MIMO_JAX_CPU_DOTS`` set either way, or the user's own ``XLA_FLAGS`` naming the option."""
+  if platform != "cpu" or cpu_dots_choice() is not None or _YNN_FUSION_FLAG in (_USER_XLA_FLAGS or ""):
+    return None
+  return {_YNN_FUSION_FLAG: XLA_DEFAULT_YNN_FUSIONS}
+
+
 def apply(environ: dict | None = None) -> list[str]:
   """Appends the default CPU flags to ``XLA_FLAGS`` (those the user has not set) and sizes
   XLA:CPU's pool for emulated devices (:func:`cpu_pool_threads`); returns the flags added."""
   env = os.environ if environ is None else environ
-  choice = env.get(CPU_DOTS_ENV, "").strip().lower() or "eigen"
-  if choice not in ("eigen", "ynn"):
-    raise ValueError(f"{CPU_DOTS_ENV}={env[CPU_DOTS_ENV]!r} is not allowed; allowed values: eigen, ynn")
+  choice = cpu_dots_choice(env) or "eigen"
   threads = cpu_pool_threads(env)
   if threads is not None:
     env["PJRT_NPROC"] = str(threads)

@@ -154,7 +154,9 @@ def test_a_shared_prompt_cache_gives_the_per_row_caches_results_in_less_memory(m
     args = (jnp.zeros((2, 128), jnp.int32), jnp.ones((2, 128), bool), jnp.ones((16,)), jax.random.key(0), jnp.int32(12))
 
     def temp_bytes(sampler):
-      lowered = sampler._generate.lower(sampler._state, None, *args, num_samples=8, max_len=12, sampling=kw["sampling"])
+      lowered = sampler.generate_program(8 * 2).lower(
+        sampler._state, None, *args, num_samples=8, max_len=12, sampling=kw["sampling"]
+      )
       return lowered.compile().memory_analysis().temp_size_in_bytes
 
     assert temp_bytes(shared) < 0.9 * temp_bytes(per_row)
@@ -295,6 +297,80 @@ def test_a_fused_decode_samples_what_the_separate_products_sample(mesh_shape):
   np.testing.assert_array_equal(fused.finish_reason, separate.finish_reason)
   np.testing.assert_allclose(fused.logprobs, separate.logprobs, atol=1e-6)
   assert set(np.asarray(fused.finish_reason).tolist()) == {FINISH_STOP, FINISH_LENGTH}
+
+
+def test_a_cpu_decode_of_32_to_64_rows_per_shard_takes_ynnpacks_products(monkeypatch):
+  """The sampler's rule: on CPU, YNN_DECODE_ROWS rows per batch shard in the unrolled decode; an explicit
+  choice wins; never where the process's choice stands (MIMO_JAX_CPU_DOTS set)."""
+  from mimo_jax.rollout.sampler import YNN_DECODE_ROWS
+
+  low, high = YNN_DECODE_ROWS
+  _, model, *_ = _decode_case(None, seed=0, num_samples=1, key=0)
+  sampler = Sampler(model)
+  assert sampler.uses_ynn_dots(low) and sampler.uses_ynn_dots(high)
+  assert not sampler.uses_ynn_dots(low - 1) and not sampler.uses_ynn_dots(high + 1)
+  assert not Sampler(model, unrolled_decode=False).uses_ynn_dots(high)
+  assert not Sampler(model, ynn_dots=False).uses_ynn_dots(high)
+  assert Sampler(model, ynn_dots=True).uses_ynn_dots(1)
+  data_parallel = build_mesh(MeshConfig(2, 4, 1))  # 8 batch shards: the rows per shard count
+  assert Sampler(model, mesh=data_parallel).uses_ynn_dots(8 * low)
+  assert not Sampler(model, mesh=data_parallel).uses_ynn_dots(8 * high + 8)
+  # One program per set of options, each reused.
+  assert sampler.generate_program(low) is sampler.generate_program(high)
+  assert sampler.generate_program(low) is not sampler.generate_program(low - 1)
+  for choice in ("eigen", "ynn"):
+    monkeypatch.setenv("MIMO_JAX_CPU_DOTS", choice)
+    assert not sampler.uses_ynn_dots(low) and not Sampler(model, ynn_dots=True).uses_ynn_dots(low)
+    assert sampler.generate_program(low) is sampler.generate_program(low - 1)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 4, 1)])
+def test_ynnpacks_products_sample_what_eigens_sample(mesh_shape):
+  """Whole generate calls (top-k sampling, stops, a shared prompt) compiled with YNNPACK's products and
+  with the process's Eigen ones: the same tokens, stops and log-probs; the first program hands its
+  products to YNNPACK, the second does not."""
+  mesh, model, tokens, mask, kw = _decode_case(mesh_shape, seed=5, num_samples=2, key=7)
+  rows = len(tokens) * kw["num_samples"]
+  sides = {flag: Sampler(model, mesh=mesh, ynn_dots=flag) for flag in (False, True)}
+  eigen, ynn = (s.generate(tokens, mask, **kw) for s in sides.values())
+  np.testing.assert_array_equal(ynn.completion_tokens, eigen.completion_tokens)
+  np.testing.assert_array_equal(ynn.finish_reason, eigen.finish_reason)
+  np.testing.assert_allclose(ynn.logprobs, eigen.logprobs, atol=1e-5)
+  assert set(np.asarray(ynn.finish_reason).tolist()) == {FINISH_STOP, FINISH_LENGTH}
+
+  def products(sampler):
+    """(products on Eigen, products in YNNPACK fusions) in the compiled program."""
+    args = (sampler._state, None, jnp.asarray(tokens), jnp.asarray(mask), jnp.ones((rows,)), kw["key"], jnp.int32(6))
+    lowered = sampler.generate_program(rows).lower(
+      *args, num_samples=kw["num_samples"], max_len=kw["max_len"], sampling=kw["sampling"]
+    )
+    return _products_by_library(lowered.compile().as_text())
+
+  (eigen_own, eigen_ynn), (ynn_own, ynn_ynn) = products(sides[False]), products(sides[True])
+  assert ynn_ynn > eigen_ynn and ynn_own < eigen_own
+
+
+def _products_by_library(hlo: str) -> tuple[int, int]:
+  """Matrix products in a compiled XLA:CPU program: (those left to XLA's own kernels, those inside
+  YNNPACK fusions).  A computation is a block of lines ending in ``}``; a fusion line names the
+  computation it calls."""
+  blocks: dict[str, str] = {}
+  for block in hlo.split("\n\n"):
+    header = block.strip().splitlines()[0] if block.strip() else ""
+    if header.startswith(("%", "ENTRY")):
+      blocks[header.split()[1] if header.startswith("ENTRY") else header.split()[0]] = block
+  fused, ynn = set(), set()
+  for line in hlo.splitlines():
+    if " fusion(" in line and "calls=" in line:
+      callee = line.split("calls=")[1].split(",")[0].split()[0]
+      fused.add(callee)
+      if "__ynn_fusion" in line:
+        ynn.add(callee)
+  count = {name: sum(" dot(" in line for line in block.splitlines()) for name, block in blocks.items()}
+  return (
+    sum(n for name, n in count.items() if name not in fused),
+    sum(n for name, n in count.items() if name in ynn),
+  )
 
 
 @pytest.mark.parametrize("per_layer", [False, True])

@@ -36,6 +36,55 @@ def test_xla_default_kernels_when_asked_for_in_a_fresh_process():
   assert out.stdout.split() == ["False", "True"]
 
 
+_PROGRAM_CODE = """
+import re, jax, jax.numpy as jnp
+
+def program(x, w, w2):
+  h = x @ w
+  y = (jnp.maximum(h, 0) * h) @ w2
+  return y, jnp.sum(jnp.exp(y), axis=1), jnp.tanh(x) + 1
+
+def compiled_text(options):
+  args = (jnp.ones((64, 256)), jnp.ones((256, 1024)), jnp.ones((1024, 256)))
+  text = jax.jit(program, compiler_options=options).lower(*args).compile().as_text()
+  text = text[text.index("\\n%") :]  # from the first computation: the source locations differ
+  return "\\n".join(re.sub(r", metadata=\\{.*?\\}", "", line) for line in text.splitlines())
+"""
+
+
+def test_the_per_program_option_is_xlas_own_default_written_out():
+  """ynn_dots_compiler_options gives one program what XLA compiles without our flag (the option
+  replaces XLA's whole list, so the list is written out): the same program text as a fresh process
+  with MIMO_JAX_CPU_DOTS=ynn, products handed to YNNPACK; without it, this process's program differs."""
+  namespace: dict = {}
+  exec(_PROGRAM_CODE, namespace)
+  options = xla_defaults.ynn_dots_compiler_options("cpu")
+  assert options == {"xla_cpu_experimental_ynn_fusion_type": xla_defaults.XLA_DEFAULT_YNN_FUSIONS}
+  here, eigen = namespace["compiled_text"](options), namespace["compiled_text"](None)
+  precision = jax.config.jax_default_matmul_precision  # the suite's (conftest)
+  code = f"import mimo_jax, jax\njax.config.update('jax_default_matmul_precision', {precision!r})\n"
+  code += _PROGRAM_CODE + "\nprint(compiled_text(None), end='')"
+  env = {**os.environ, "MIMO_JAX_CPU_DOTS": "ynn", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  env.pop("PJRT_NPROC", None)
+  fresh = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
+  assert here == fresh.stdout
+  assert "__ynn_fusion" in here and here != eigen
+
+
+def test_the_per_program_option_only_where_the_process_has_not_chosen(monkeypatch):
+  assert xla_defaults.ynn_dots_compiler_options("tpu") is None and xla_defaults.ynn_dots_compiler_options("gpu") is None
+  for choice in ("eigen", "ynn", "Eigen "):
+    monkeypatch.setenv("MIMO_JAX_CPU_DOTS", choice)
+    assert xla_defaults.ynn_dots_compiler_options("cpu") is None
+  monkeypatch.setenv("MIMO_JAX_CPU_DOTS", "")
+  assert xla_defaults.ynn_dots_compiler_options("cpu") is not None
+  monkeypatch.setattr(xla_defaults, "_USER_XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FLAG}")
+  assert xla_defaults.ynn_dots_compiler_options("cpu") is None
+  monkeypatch.setenv("MIMO_JAX_CPU_DOTS", "mkl")
+  with pytest.raises(ValueError, match=r"MIMO_JAX_CPU_DOTS='mkl'.*allowed values: eigen, ynn"):
+    xla_defaults.ynn_dots_compiler_options("cpu")
+
+
 def test_apply_adds_only_what_the_user_has_not_set():
   env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   assert xla_defaults.apply(env) == [FLAG]

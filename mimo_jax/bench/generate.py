@@ -232,7 +232,13 @@ def main(argv=None):
         times[name][1].append(_timed(run, N))
     rows = {name: _rates(B, P, N, *times[name]) for name in sides}
     record: dict = {"batch": B, "prompt_len": P, "new_tokens": N, "repeats": args.repeats, "model": cfg.name}
-    record.update(layer_copy=args.layer_copy, fused_projections=Sampler(model).fuses_projections(B), **rows)
+    default = Sampler(model)
+    record.update(
+      layer_copy=args.layer_copy,
+      fused_projections=default.fuses_projections(B),
+      ynn_dots=default.uses_ynn_dots(B),
+      **rows,
+    )
     step_bytes = decode_bytes_per_step(cfg, B, P + N)
     gbps = step_bytes * rows["mimo-jax"]["decode_tok_s"] / B / 1e9
     record["mimo-jax"].update(decode_bytes_per_step=step_bytes, decode_gbps=round(gbps, 2))

@@ -287,7 +287,7 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
   gen_replicated = NamedSharding(gen_mesh, PartitionSpec())
   compile_program(
     "generate",
-    lambda: sampler._generate.lower(
+    lambda: sampler.generate_program(B).lower(
       gen_params,
       None,  # no kept per-layer weights: the trainer's sampler copies them inside the call
       _sds((Np, P), jnp.int32, gen_mesh, ("batch", None)),
