@@ -42,8 +42,24 @@ CPU_DOTS_CHOICES = ("eigen", "ynn")
 # without our flag.
 XLA_DEFAULT_YNN_FUSIONS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"
 
-# XLA_FLAGS and PJRT_NPROC as the process found them, before :func:`apply` (None: unset).
-_USER_XLA_FLAGS: str | None = os.environ.get("XLA_FLAGS")
+# The flags a mimo_jax process added to XLA_FLAGS, for the processes it starts (they inherit its
+# environment): what is listed there was not the user's choice.
+ADDED_FLAGS_ENV = "MIMO_JAX_ADDED_XLA_FLAGS"
+
+
+def user_xla_flags(environ: dict | None = None) -> str | None:
+  """``XLA_FLAGS`` without the flags an ancestor mimo_jax process added (``MIMO_JAX_ADDED_XLA_FLAGS``);
+  None when unset."""
+  env = os.environ if environ is None else environ
+  flags = env.get("XLA_FLAGS")
+  added = set(env.get(ADDED_FLAGS_ENV, "").split())
+  if flags is None or not added:
+    return flags
+  return " ".join(f for f in flags.split() if f not in added)
+
+
+# XLA_FLAGS (as the user set it) and PJRT_NPROC as the process found them, before :func:`apply` (None: unset).
+_USER_XLA_FLAGS: str | None = user_xla_flags()
 _USER_PJRT_NPROC: str | None = os.environ.get("PJRT_NPROC")
 
 # XLA:CPU sizes the pool its emulated devices share from PJRT_NPROC (else NPROC, else the core
@@ -107,7 +123,8 @@ def cpu_dots_choice(environ: dict | None = None) -> str | None:
 def ynn_dots_compiler_options(platform: str) -> dict | None:
   """``jax.jit``'s ``compiler_options`` that give one program YNNPACK's products (XLA:CPU's own
   default) in a process whose default is Eigen's; None where the process's choice stands: not CPU,
-  ``MIMO_JAX_CPU_DOTS`` set either way, or the user's own ``XLA_FLAGS`` naming the option."""
+  ``MIMO_JAX_CPU_DOTS`` set either way, or the user's own ``XLA_FLAGS`` naming the option (not the
+  flag a parent mimo_jax process added, which its children inherit: :func:`user_xla_flags`)."""
   if platform != "cpu" or cpu_dots_choice() is not None or _YNN_FUSION_FLAG in (_USER_XLA_FLAGS or ""):
     return None
   return {_YNN_FUSION_FLAG: XLA_DEFAULT_YNN_FUSIONS}
@@ -127,6 +144,7 @@ def apply(environ: dict | None = None) -> list[str]:
   added = [f for f in CPU_DEFAULT_FLAGS if f.split("=", 1)[0] not in current]
   if added:
     env["XLA_FLAGS"] = " ".join([current, *added]).strip()
+    env[ADDED_FLAGS_ENV] = " ".join(sorted({*env.get(ADDED_FLAGS_ENV, "").split(), *added}))
   return added
 
 
@@ -134,6 +152,7 @@ def user_environ() -> dict:
   """This process's environment with ``XLA_FLAGS`` and ``PJRT_NPROC`` as the user set them: for
   programs that are not mimo-jax (a peer being measured), which should run on their own defaults."""
   env = dict(os.environ)
+  env.pop(ADDED_FLAGS_ENV, None)
   for name, value in (("XLA_FLAGS", _USER_XLA_FLAGS), ("PJRT_NPROC", _USER_PJRT_NPROC)):
     if value is None:
       env.pop(name, None)

@@ -85,6 +85,29 @@ def test_the_per_program_option_only_where_the_process_has_not_chosen(monkeypatc
     xla_defaults.ynn_dots_compiler_options("cpu")
 
 
+def test_a_child_process_tells_the_flag_its_parent_added_from_the_users():
+  """Processes mimo_jax starts (mimo_jax.launch, the sweep runner, tests) inherit the XLA_FLAGS their parent
+  extended; the parent lists what it added (MIMO_JAX_ADDED_XLA_FLAGS), so the child still takes the
+  per-program option, while the same flag set by the user, unlisted, still blocks it."""
+  assert FLAG in os.environ[xla_defaults.ADDED_FLAGS_ENV].split()
+  inherited = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FLAG}", xla_defaults.ADDED_FLAGS_ENV: FLAG}
+  assert xla_defaults.user_xla_flags(inherited) == "--xla_force_host_platform_device_count=4"
+  assert xla_defaults.user_xla_flags({"XLA_FLAGS": FLAG}) == FLAG
+  assert xla_defaults.user_xla_flags({}) is None
+  code = (
+    "import mimo_jax; from mimo_jax import xla_defaults as x; print(x.ynn_dots_compiler_options('cpu') is not None)"
+  )
+  run = {**os.environ}
+  run.pop("MIMO_JAX_CPU_DOTS", None)
+  child = subprocess.run([sys.executable, "-c", code], env=run, capture_output=True, text=True, timeout=300, check=True)
+  users = {**run, "XLA_FLAGS": run["XLA_FLAGS"]}
+  users.pop(xla_defaults.ADDED_FLAGS_ENV)
+  own = subprocess.run([sys.executable, "-c", code], env=users, capture_output=True, text=True, timeout=300, check=True)
+  assert (child.stdout.split(), own.stdout.split()) == (["True"], ["False"])
+  # A peer gets neither the flag nor the list.
+  assert xla_defaults.ADDED_FLAGS_ENV not in xla_defaults.user_environ()
+
+
 def test_apply_adds_only_what_the_user_has_not_set():
   env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   assert xla_defaults.apply(env) == [FLAG]
