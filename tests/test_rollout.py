@@ -267,22 +267,35 @@ def test_fused_projections_give_the_separate_ones_results_with_three_fewer_produ
   assert stacked[True] == stacked[False]
 
 
+def _assert_a_rows_rule(model, rule: str, option: str, bounds: tuple[int, int]) -> Sampler:
+  """What the sampler's two rows rules share: true at the range's ends and false just outside, never for
+  the scanned decode, an explicit ``option`` wins, and rows count per batch shard on a data mesh.
+  Returns the default sampler."""
+  low, high = bounds
+  sampler = Sampler(model)
+
+  def holds(s: Sampler, rows: int) -> bool:
+    return getattr(s, rule)(rows)
+
+  assert holds(sampler, low) and holds(sampler, high)
+  assert not holds(sampler, low - 1) and not holds(sampler, high + 1)
+  assert not holds(Sampler(model, unrolled_decode=False), high)
+  assert not holds(Sampler(model, **{option: False}), high)
+  assert holds(Sampler(model, **{option: True}), 1)
+  data_parallel = Sampler(model, mesh=build_mesh(MeshConfig(2, 4, 1)))  # 8 batch shards
+  assert holds(data_parallel, 8 * low) and holds(data_parallel, 8 * high)
+  assert not holds(data_parallel, 8 * high + 8)
+  return sampler
+
+
 def test_a_small_cpu_decode_fuses_its_projections_unless_the_weights_are_split():
   """The sampler's rule: on CPU, FUSED_DECODE_ROWS rows per batch shard and weights whose feature
   axes are not split over devices; never for the scanned decode; an explicit choice wins."""
   from mimo_jax.rollout.sampler import FUSED_DECODE_ROWS
 
-  low, high = FUSED_DECODE_ROWS
   _, model, *_ = _decode_case(None, seed=0, num_samples=1, key=0)
-  sampler = Sampler(model)
-  assert sampler.fuses_projections(low) and sampler.fuses_projections(high)
-  assert not sampler.fuses_projections(low - 1) and not sampler.fuses_projections(high + 1)
-  assert not Sampler(model, unrolled_decode=False).fuses_projections(high)
-  assert not Sampler(model, fuse_projections=False).fuses_projections(high)
-  assert Sampler(model, fuse_projections=True).fuses_projections(1)
-  data_parallel = build_mesh(MeshConfig(2, 4, 1))  # 8 batch shards: the rows per shard count
-  assert Sampler(model, mesh=data_parallel).fuses_projections(8 * high)
-  assert not Sampler(model, mesh=data_parallel).fuses_projections(8 * high + 8)
+  _assert_a_rows_rule(model, "fuses_projections", "fuse_projections", FUSED_DECODE_ROWS)
+  high = FUSED_DECODE_ROWS[1]
   assert not Sampler(model, mesh=build_mesh(MeshConfig(2, 2, 2))).fuses_projections(4 * high)  # heads, mlp split
 
 
@@ -306,15 +319,7 @@ def test_a_cpu_decode_of_32_to_64_rows_per_shard_takes_ynnpacks_products(monkeyp
 
   low, high = YNN_DECODE_ROWS
   _, model, *_ = _decode_case(None, seed=0, num_samples=1, key=0)
-  sampler = Sampler(model)
-  assert sampler.uses_ynn_dots(low) and sampler.uses_ynn_dots(high)
-  assert not sampler.uses_ynn_dots(low - 1) and not sampler.uses_ynn_dots(high + 1)
-  assert not Sampler(model, unrolled_decode=False).uses_ynn_dots(high)
-  assert not Sampler(model, ynn_dots=False).uses_ynn_dots(high)
-  assert Sampler(model, ynn_dots=True).uses_ynn_dots(1)
-  data_parallel = build_mesh(MeshConfig(2, 4, 1))  # 8 batch shards: the rows per shard count
-  assert Sampler(model, mesh=data_parallel).uses_ynn_dots(8 * low)
-  assert not Sampler(model, mesh=data_parallel).uses_ynn_dots(8 * high + 8)
+  sampler = _assert_a_rows_rule(model, "uses_ynn_dots", "ynn_dots", YNN_DECODE_ROWS)
   # One program per set of options, each reused.
   assert sampler.generate_program(low) is sampler.generate_program(high)
   assert sampler.generate_program(low) is not sampler.generate_program(low - 1)

@@ -238,8 +238,7 @@ class Sampler:
       return False
     if self.fuse_projections is not None:
       return self.fuse_projections
-    low, high = FUSED_DECODE_ROWS
-    if sharding.mesh_platform(self.mesh) != "cpu" or not low <= rows // self.batch_shards <= high:
+    if sharding.mesh_platform(self.mesh) != "cpu" or not self._shard_rows_in(rows, FUSED_DECODE_ROWS):
       return False
     if self.mesh is None:
       return True
@@ -254,19 +253,29 @@ class Sampler:
     64 rows per batch shard whole generate calls took 0.79-0.95x the time on Eigen's products; with
     16 rows (products fused) 1.09x, with 24 and 128 the same.  The learner's programs keep Eigen's.
     """
-    if xla_defaults.ynn_dots_compiler_options(sharding.mesh_platform(self.mesh)) is None:
-      return False
-    if self.ynn_dots is not None:
-      return self.ynn_dots
-    low, high = YNN_DECODE_ROWS
-    return self.unrolled_decode and low <= rows // self.batch_shards <= high
+    return self._compiler_options(rows) is not None
+
+  def _compiler_options(self, rows: int) -> dict | None:
+    """The generate program's ``compiler_options`` for calls of ``rows`` rows (None: the process's)."""
+    options = xla_defaults.ynn_dots_compiler_options(sharding.mesh_platform(self.mesh))
+    if options is None:
+      return None
+    wanted = (
+      self.ynn_dots
+      if self.ynn_dots is not None
+      else (self.unrolled_decode and self._shard_rows_in(rows, YNN_DECODE_ROWS))
+    )
+    return options if wanted else None
+
+  def _shard_rows_in(self, rows: int, bounds: tuple[int, int]) -> bool:
+    """Whether a batch shard of a ``rows``-row call holds ``bounds[0]`` to ``bounds[1]`` rows (inclusive)."""
+    low, high = bounds
+    return low <= rows // self.batch_shards <= high
 
   def generate_program(self, rows: int) -> Callable:
     """The jitted generate function for calls of ``rows`` rows (compiled per shape on first use;
     its compiler options follow :meth:`uses_ynn_dots`)."""
-    options = (
-      xla_defaults.ynn_dots_compiler_options(sharding.mesh_platform(self.mesh)) if self.uses_ynn_dots(rows) else None
-    )
+    options = self._compiler_options(rows)
     key = tuple(sorted((options or {}).items()))
     if key not in self._generate_programs:
       self._generate_programs[key] = jax.jit(
