@@ -193,6 +193,58 @@ def test_a_kept_layer_copy_is_reused_only_while_the_weights_are_unchanged():
     Sampler(a, keep_layer_copy=True, unrolled_decode=False)
 
 
+@pytest.mark.parametrize("mesh_shape", [None, (2, 4, 1)])
+def test_a_kept_copy_holds_the_fused_weights_of_calls_that_fuse(mesh_shape):
+  """keep_layer_copy with fused projections: each layer's [w_q | w_k | w_v] and [w_gate | w_up] are
+  made at the first call that fuses and reused by the next (nothing recompiled; the program then
+  concatenates no weight); a call that does not fuse keeps none; new weights drop them.  The samples
+  are those of a sampler that concatenates the weights inside every call."""
+  mesh, model, tokens, mask, kw = _decode_case(mesh_shape, seed=5, num_samples=2, key=7)
+  cfg = model.config
+  per_call = Sampler(model, mesh=mesh, fuse_projections=True).generate(tokens, mask, **kw)
+  sampler = Sampler(model, mesh=mesh, keep_layer_copy=True, fuse_projections=True)
+  out = sampler.generate(tokens, mask, **kw)
+  np.testing.assert_array_equal(out.completion_tokens, per_call.completion_tokens)
+  np.testing.assert_array_equal(out.finish_reason, per_call.finish_reason)
+  np.testing.assert_allclose(out.logprobs, per_call.logprobs, atol=1e-6)
+  assert set(np.asarray(out.finish_reason).tolist()) == {FINISH_STOP, FINISH_LENGTH}
+  fused = sampler._fused_copy
+  H = cfg.resolved_head_dim
+  assert len(fused) == cfg.num_layers
+  assert fused[0][0].shape == (cfg.d_model, (cfg.num_heads + 2 * cfg.num_kv_heads) * H)
+  assert fused[0][1].shape == (cfg.d_model, 2 * cfg.mlp_dim)
+  with count_compilations() as c:
+    again = sampler.generate(tokens, mask, **kw)
+  assert c.count == 0 and sampler._fused_copy is fused
+  np.testing.assert_array_equal(again.completion_tokens, out.completion_tokens)
+
+  B = len(PROMPTS) * kw["num_samples"]
+  args = (jnp.asarray(tokens), jnp.asarray(mask), jnp.full((B,), 0.9), kw["key"], jnp.int32(12))
+  static = dict(num_samples=kw["num_samples"], max_len=kw["max_len"], sampling=kw["sampling"])
+
+  def count(op, fused_layers):
+    program = sampler.generate_program(B).lower(sampler._state, sampler._layers(), *args, fused_layers, **static)
+    return program.as_text().count(op)
+
+  L = cfg.num_layers
+  assert count("stablehlo.concatenate", None) - count("stablehlo.concatenate", fused) == 2 * L
+  # The prefill takes them too: per layer one product for q|k|v (three before) and one for gate|up
+  # (two); the last layer's queries, on one position, keep their own products.
+  assert count("stablehlo.dot_general", None) - count("stablehlo.dot_general", fused) == 3 * (L - 1) + 1
+  with pytest.raises(ValueError, match="fused_weights need the per-layer weights"):
+    model.decoder.prefill(jnp.asarray(tokens), jnp.asarray(mask, jnp.int32), jnp.asarray(mask), None, fused)
+
+  not_fusing = Sampler(model, mesh=mesh, keep_layer_copy=True, fuse_projections=False)
+  not_fusing.generate(tokens, mask, **kw)
+  assert not_fusing._layer_copy is not None and not_fusing._fused_copy is None
+
+  _, other, *_ = _decode_case(mesh_shape, seed=6, num_samples=2, key=7)
+  sampler.update_params(other)
+  assert sampler._layer_copy is None and sampler._fused_copy is None
+  want = Sampler(other, mesh=mesh, fuse_projections=True).generate(tokens, mask, **kw)
+  np.testing.assert_array_equal(sampler.generate(tokens, mask, **kw).completion_tokens, want.completion_tokens)
+
+
 def test_convenience_generate_does_not_keep_a_dropped_model_alive():
   """rollout.generate's sampler (and its per-layer copy of the weights) goes with the model: a model
   the caller drops is freed, arrays and all, while a live one keeps its sampler between calls."""

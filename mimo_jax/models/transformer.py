@@ -156,6 +156,7 @@ class Attention(nnx.Module):
     queries: int | None = None,
     prompt_kv: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     fuse_projections: bool = False,
+    fused_qkv: jax.Array | None = None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Args: x [B,T,D]; positions [B,T]; mask [B,T,S] (True = attend); optional cache
     (k ``[B,K,H,S]``, v ``[B,K,S,H]``: the :class:`KVCache` layout) and the slot where this
@@ -171,7 +172,8 @@ class Attention(nnx.Module):
     that many rows); keys and values still cover all T.
 
     ``fuse_projections``: queries, keys and values from one product with the three weights
-    side by side (see :meth:`_qkv`).
+    side by side (see :meth:`_qkv`); ``fused_qkv``: that weight made before the call
+    (:meth:`fused_qkv_weight`), else it is concatenated here.
 
     Returns: output [B,T,D] (or [B,queries,D]) and the updated cache; without a cache, this
     call's keys and values ``[B,T,K,H]`` (after RoPE; a prefill writes them into a fresh cache).
@@ -179,7 +181,7 @@ class Attention(nnx.Module):
     dt = self.dtype
     if queries is not None and kv_cache is not None:
       raise ValueError("queries= is for a call without a cache (a prefill's last layer)")
-    q, k, v = self._qkv(x_btd, positions_bt, inv_freq, queries, fuse_projections)
+    q, k, v = self._qkv(x_btd, positions_bt, inv_freq, queries, fuse_projections, fused_qkv)
     B, T = q.shape[:2]
     if kv_cache is None:
       new_cache = (k, v)  # unused (and dead code to XLA) except by a prefill
@@ -216,25 +218,29 @@ class Attention(nnx.Module):
         out = batched(*args)
     return self._output(out), new_cache
 
-  def _qkv(self, x_btd, positions_bt, inv_freq, queries=None, fuse=False):
+  def fused_qkv_weight(self) -> jax.Array:
+    """``[w_q | w_k | w_v]`` as one ``[D, (N + 2 K) H]`` weight in the compute dtype (see :meth:`_qkv`)."""
+    ws = (self.w_q_dnh[...], self.w_k_dkh[...], self.w_v_dkh[...])
+    return jnp.concatenate([w.astype(self.dtype).reshape(w.shape[0], -1) for w in ws], axis=1)
+
+  def _qkv(self, x_btd, positions_bt, inv_freq, queries=None, fuse=False, fused_w=None):
     """Queries ``[B, T, K, G, H]`` (grouped by the KV head they share; the last ``queries``
     positions only, when given), keys and values ``[B, T, K, H]``, RoPE applied.
 
     ``fuse``: one product ``x @ [w_q | w_k | w_v]`` instead of three (for a decode step, whose
-    few rows make each product's fixed cost count; the concatenated weight is loop-invariant in a
-    decode loop over per-layer weights, so XLA builds it once per call).
+    few rows make each product's fixed cost count).  The weight is ``fused_w`` when given (made
+    once for many calls: ``Sampler``'s kept layer copy), else :meth:`fused_qkv_weight` here, which a
+    decode loop over per-layer weights builds once per call (it is loop-invariant).
     """
     dt = self.dtype
     x = x_btd.astype(dt)
     x_q, positions_q = (x, positions_bt) if queries is None else (x[:, -queries:], positions_bt[:, -queries:])
     if fuse and queries is None:
-      ws = (self.w_q_dnh[...], self.w_k_dkh[...], self.w_v_dkh[...])
-      D = x.shape[-1]
-      qkv = project(x, jnp.concatenate([w.astype(dt).reshape(D, -1) for w in ws], axis=1))
-      widths = np.cumsum([math.prod(w.shape[1:]) for w in ws])[:2]
-      q, k, v = (
-        part.reshape(*x.shape[:2], *w.shape[1:]) for part, w in zip(jnp.split(qkv, widths, axis=-1), ws, strict=True)
-      )
+      w = self.fused_qkv_weight() if fused_w is None else fused_w
+      widths = np.cumsum([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim])
+      q, k, v = jnp.split(project(x, w), widths, axis=-1)
+      q = q.reshape(*x.shape[:2], self.num_heads, self.head_dim)
+      k, v = (part.reshape(*x.shape[:2], self.num_kv_heads, self.head_dim) for part in (k, v))
     else:
       q = project(x_q, self.w_q_dnh[...].astype(dt))
       k = project(x, self.w_k_dkh[...].astype(dt))
@@ -374,13 +380,19 @@ class MLP(nnx.Module):
     self.w_up_df = nnx.Param(_normal(rngs, (d_model, mlp_dim), param_dtype), logical_axes=("embed", "mlp"))
     self.w_down_fd = nnx.Param(_normal(rngs, (mlp_dim, d_model), param_dtype), logical_axes=("mlp", "embed"))
 
-  def __call__(self, x_btd: jax.Array, fuse_projections: bool = False) -> jax.Array:
+  def fused_gate_up_weight(self) -> jax.Array:
+    """``[w_gate | w_up]`` as one ``[D, 2 F]`` weight in the compute dtype."""
+    return jnp.concatenate([self.w_gate_df[...].astype(self.dtype), self.w_up_df[...].astype(self.dtype)], axis=1)
+
+  def __call__(
+    self, x_btd: jax.Array, fuse_projections: bool = False, fused_gate_up: jax.Array | None = None
+  ) -> jax.Array:
     """``fuse_projections``: gate and up from one product ``x @ [w_gate | w_up]`` (see
-    :meth:`Attention._qkv`)."""
+    :meth:`Attention._qkv`), with ``fused_gate_up`` as that weight when given."""
     dt = self.dtype
     x = x_btd.astype(dt)
     if fuse_projections:
-      w = jnp.concatenate([self.w_gate_df[...].astype(dt), self.w_up_df[...].astype(dt)], axis=1)
+      w = self.fused_gate_up_weight() if fused_gate_up is None else fused_gate_up
       gate, up = jnp.split(project(x, w), 2, axis=-1)
     else:
       gate = project(x, self.w_gate_df[...].astype(dt))
@@ -420,18 +432,35 @@ class Block(nnx.Module):
     queries=None,
     prompt_kv=None,
     fuse_projections=False,
+    fused_weights=None,
   ):
     """``queries``: only the last that many positions come out; ``prompt_kv``: a shared
     prompt's keys and values; ``fuse_projections``: q|k|v and gate|up each as one product (see
-    :class:`Attention`)."""
+    :class:`Attention`), with ``fused_weights`` (:meth:`fused_projection_weights`) as their
+    weights when given."""
+    fused_qkv, fused_gate_up = (None, None) if fused_weights is None else fused_weights
     h, new_cache = self.attn(
-      self.attn_norm(x), positions, mask, inv_freq, kv_cache, cache_index, queries, prompt_kv, fuse_projections
+      self.attn_norm(x),
+      positions,
+      mask,
+      inv_freq,
+      kv_cache,
+      cache_index,
+      queries,
+      prompt_kv,
+      fuse_projections,
+      fused_qkv,
     )
     if queries is not None:
       x = x[:, -queries:]
     x = constrain(x + h.astype(x.dtype), ("batch", "seq", "act_embed"))
-    x = x + self.mlp(self.mlp_norm(x), fuse_projections).astype(x.dtype)
+    x = x + self.mlp(self.mlp_norm(x), fuse_projections, fused_gate_up).astype(x.dtype)
     return constrain(x, ("batch", "seq", "act_embed")), new_cache
+
+  def fused_projection_weights(self) -> tuple[jax.Array, jax.Array]:
+    """The layer's ``[w_q | w_k | w_v]`` and ``[w_gate | w_up]`` weights, for a decode step that fuses
+    its projections."""
+    return self.attn.fused_qkv_weight(), self.mlp.fused_gate_up_weight()
 
   def with_prompt(self, x, positions, prompt_len, mask_pp, mask_ss, inv_freq):
     """The layer over prompts and their continuations, ``[G, P + R x T, D]`` (see
@@ -636,6 +665,13 @@ class Decoder(nnx.Module):
     _, stacked = nnx.split(self.layers)
     return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(self.config.num_layers))
 
+  def fused_projection_weights(self, layers: tuple[nnx.State, ...]) -> tuple[tuple[jax.Array, jax.Array], ...]:
+    """Each layer's ``[w_q | w_k | w_v]`` and ``[w_gate | w_up]`` (:meth:`Block.fused_projection_weights`)
+    from its weights ``layers`` (:meth:`layer_states`): made once, they spare a decode that fuses its
+    projections the concatenation at every call (``__call__``'s ``fused_weights``)."""
+    graphdef, _ = nnx.split(self.layers)
+    return tuple(nnx.merge(graphdef, state_l).fused_projection_weights() for state_l in layers)
+
   def _remat(self, body):
     """A training scan's layer body under the config's rematerialisation policy."""
     if self.config.remat == "none":
@@ -655,6 +691,7 @@ class Decoder(nnx.Module):
     positions_bt: jax.Array,
     mask_bt: jax.Array,
     layers: tuple[nnx.State, ...] | None = None,
+    fused_weights: tuple[tuple[jax.Array, jax.Array], ...] | None = None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """The stack over a prompt batch that starts an empty cache.
 
@@ -666,7 +703,9 @@ class Decoder(nnx.Module):
     input) and its output only at the last one, the only one unembedded: its queries,
     attention output and MLP run on that position alone (``1 / L`` of the prefill's
     matmul work, less).  Given per-layer weights (:meth:`layer_states`, made outside the
-    program), the layers run unrolled on them and no weight is sliced or copied.
+    program), the layers run unrolled on them and no weight is sliced or copied; with their
+    concatenated projections too (``fused_weights``, :meth:`fused_projection_weights`), q|k|v and
+    gate|up are one product each (the last layer's queries, on one position, stay separate).
 
     Returns:
       The last position's final-normed hidden state ``[B, 1, D]`` and every layer's keys
@@ -678,6 +717,11 @@ class Decoder(nnx.Module):
     inv_freq = rope_inv_freq(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     L = cfg.num_layers
+    fused = [None] * L if fused_weights is None else list(fused_weights)
+    if len(fused) != L or (layers is not None and len(layers) != L):
+      raise ValueError(f"{L} layers but {len(layers or ())} layer states and {len(fused)} fused weights")
+    if fused_weights is not None and layers is None:
+      raise ValueError("fused_weights need the per-layer weights (layers) they were made from")
     x = self._embed(tokens_bt)
     if layers is None:
 
@@ -689,14 +733,14 @@ class Decoder(nnx.Module):
       ks, vs = [k], [v]
       last = nnx.merge(graphdef, jax.tree.map(lambda a: a[L - 1], layer_state))
     else:
-      if len(layers) != L:
-        raise ValueError(f"{L} layers but {len(layers)} layer states")
       ks, vs = [], []
-      for state_l in layers[:-1]:
-        x, (k, v) = nnx.merge(graphdef, state_l)(x, positions_bt, mask, inv_freq)
+      for state_l, fused_l in zip(layers[:-1], fused[:-1], strict=True):
+        layer = nnx.merge(graphdef, state_l)
+        x, (k, v) = layer(x, positions_bt, mask, inv_freq, fuse_projections=fused_l is not None, fused_weights=fused_l)
         ks.append(k[None])
         vs.append(v[None])
       last = nnx.merge(graphdef, layers[-1])
+    last = functools.partial(last, fuse_projections=fused[-1] is not None, fused_weights=fused[-1])
     x, (k, v) = last(x, positions_bt, mask[:, -1:], inv_freq, queries=1)
     kv = (jnp.concatenate([*ks, k[None]]), jnp.concatenate([*vs, v[None]]))
     return self.final_norm(x), kv
@@ -755,6 +799,7 @@ class Decoder(nnx.Module):
     cache: KVCache | None = None,
     layers: tuple[nnx.State, ...] | None = None,
     fuse_projections: bool = False,
+    fused_weights: tuple[tuple[jax.Array, jax.Array], ...] | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     """Runs the stack.
 
@@ -769,6 +814,8 @@ class Decoder(nnx.Module):
       fuse_projections: with a per-layer cache, q|k|v and gate|up each as one product
         (:meth:`Attention._qkv`); ignored otherwise (a scanned stack would concatenate the
         weights at every call).
+      fused_weights: with ``fuse_projections``, each layer's concatenated weights
+        (:meth:`fused_projection_weights`, made outside the call), else they are made here.
 
     Returns:
       Final-normed hidden states ``[B, T, D]`` (compute dtype) and the updated cache.
@@ -808,6 +855,10 @@ class Decoder(nnx.Module):
         raise ValueError(
           f"{cfg.num_layers} layers, {len(cache.k)} per-layer cache buffers and {len(states)} layer states"
         )
+      if fused_weights is not None and (not fuse_projections or len(fused_weights) != cfg.num_layers):
+        raise ValueError(
+          f"fused_weights for {len(fused_weights)} layers need fuse_projections=True and {cfg.num_layers} layers"
+        )
       ks, vs = list(cache.k), list(cache.v)
       for i, state_l in enumerate(states):
         layer = nnx.merge(graphdef, state_l)
@@ -821,6 +872,7 @@ class Decoder(nnx.Module):
           cache_index,
           prompt_kv=prompt,
           fuse_projections=fuse_projections,
+          fused_weights=None if fused_weights is None else fused_weights[i],
         )
       new_cache = cache.replace(k=tuple(ks), v=tuple(vs), valid=valid, index=cache_index + T)
     else:
@@ -875,13 +927,23 @@ class Transformer(nnx.Module):
     logits = project(hidden_btd.astype(dt), self.unembedding().astype(dt), preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", "seq", "vocab"))
 
-  def hidden(self, tokens_bt, *, attention_mask=None, positions=None, cache=None, layers=None, fuse_projections=False):
+  def hidden(
+    self,
+    tokens_bt,
+    *,
+    attention_mask=None,
+    positions=None,
+    cache=None,
+    layers=None,
+    fuse_projections=False,
+    fused_weights=None,
+  ):
     """Final hidden states ``[B, T, D]`` and the updated cache (see :meth:`Decoder.__call__`)."""
     if attention_mask is None:
       attention_mask = jnp.ones(tokens_bt.shape, bool)
     if positions is None:
       positions = positions_from_mask(attention_mask)
-    return self.decoder(tokens_bt, positions, attention_mask, cache, layers, fuse_projections)
+    return self.decoder(tokens_bt, positions, attention_mask, cache, layers, fuse_projections, fused_weights)
 
   def __call__(
     self,
@@ -892,6 +954,7 @@ class Transformer(nnx.Module):
     cache: KVCache | None = None,
     layers: tuple[nnx.State, ...] | None = None,
     fuse_projections: bool = False,
+    fused_weights: tuple[tuple[jax.Array, jax.Array], ...] | None = None,
   ) -> Any:
     """Logits for a batch.
 
@@ -902,7 +965,7 @@ class Transformer(nnx.Module):
       positions: int32 ``[B, T]``; by default counted over the real tokens.
       cache: optional KV cache; when given, returns ``(logits, new_cache)``.
       layers: per-layer weights for a per-layer cache (:meth:`Decoder.layer_states`).
-      fuse_projections: see :meth:`Decoder.__call__`.
+      fuse_projections, fused_weights: see :meth:`Decoder.__call__`.
 
     Returns:
       float32 logits ``[B, T, V]`` (and the updated cache when one is passed).
@@ -914,6 +977,7 @@ class Transformer(nnx.Module):
       cache=cache,
       layers=layers,
       fuse_projections=fuse_projections,
+      fused_weights=fused_weights,
     )
     logits = self.logits_from_hidden(hidden)
     return logits if cache is None else (logits, new_cache)

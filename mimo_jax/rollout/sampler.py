@@ -153,8 +153,12 @@ class Sampler:
       parameters, outside the generate program, and keep it between calls (the prefill
       then also runs on it, unrolled): calls with unchanged weights (serving, evaluation)
       copy and slice no weight, at the price of one more copy of the layer weights held
-      while the parameters stay unchanged.  Off in training, where the weights change
-      every step and the copy would be held through the update.  Needs ``unrolled_decode``.
+      while the parameters stay unchanged.  Calls that fuse their projections
+      (:meth:`fuses_projections`) also keep each layer's concatenated q|k|v and gate|up
+      weights, made at the first such call (on CPU, :data:`FUSED_DECODE_ROWS` rows per batch shard:
+      a second copy of those weights, which a call would otherwise build every time).  Off in
+      training, where the weights change every step and the copy would be held through the
+      update.  Needs ``unrolled_decode``.
     share_prompt_cache: keep a prompt's keys and values once for its ``num_samples`` rows
       instead of once per row (:meth:`KVCache.from_prompt` with ``share_prompt``): the
       decode steps read the prompt once per group, and its cache takes ``1 / num_samples``
@@ -186,9 +190,15 @@ class Sampler:
     self._graphdef, self._state = nnx.split(model)
     # (the parameter leaves it was made from, the per-layer weights); None until needed.
     self._layer_copy: tuple[list, tuple[nnx.State, ...]] | None = None
+    # Each layer's concatenated q|k|v and gate|up weights, made from the kept copy for calls
+    # that fuse their projections; None until needed, dropped with the copy.
+    self._fused_copy: tuple[tuple[jax.Array, jax.Array], ...] | None = None
     # One jitted generate per set of compiler options (see generate_program).
     self._generate_programs: dict[tuple, Callable] = {}
     self._split_layers = jax.jit(lambda state: nnx.merge(self._graphdef, state).decoder.layer_states())
+    self._fuse_layers = jax.jit(
+      lambda state, layers: nnx.merge(self._graphdef, state).decoder.fused_projection_weights(layers)
+    )
     self._logps = jax.jit(self._logps_impl)
 
   # ------------------------------------------------------------------ params
@@ -201,7 +211,7 @@ class Sampler:
       made_from, new = self._layer_copy[0], jax.tree.leaves(model_or_state)
       # Arrays are immutable: the same leaves are the same weights.
       if len(made_from) != len(new) or any(a is not b for a, b in zip(made_from, new, strict=True)):
-        self._layer_copy = None
+        self._layer_copy = self._fused_copy = None
     self._state = model_or_state
 
   def _layers(self) -> tuple[nnx.State, ...] | None:
@@ -211,6 +221,16 @@ class Sampler:
     if self._layer_copy is None:
       self._layer_copy = (jax.tree.leaves(self._state), self._split_layers(self._state))
     return self._layer_copy[1]
+
+  def _fused_layers(self, rows: int) -> tuple[tuple[jax.Array, jax.Array], ...] | None:
+    """The kept concatenated weights for a call of ``rows`` rows that fuses its projections (made
+    now if needed); None when the call does not fuse or nothing is kept (the call then makes them)."""
+    if not self.keep_layer_copy or not self.fuses_projections(rows):
+      return None
+    layers = self._layers()
+    if self._fused_copy is None:
+      self._fused_copy = self._fuse_layers(self._state, layers)
+    return self._fused_copy
 
   @property
   def batch_shards(self) -> int:
@@ -299,6 +319,7 @@ class Sampler:
     temperature,
     key,
     max_new_tokens,
+    fused_layers=None,
     *,
     num_samples: int,
     max_len: int,
@@ -314,7 +335,7 @@ class Sampler:
       # ---- prefill (once per prompt: the scanned stack, whose program does not grow with
       # depth, or unrolled on the kept per-layer weights)
       positions = positions_from_mask(prompt_mask)
-      hidden, (k, v) = model.decoder.prefill(prompt_tokens, positions, prompt_mask, layers)
+      hidden, (k, v) = model.decoder.prefill(prompt_tokens, positions, prompt_mask, layers, fused_layers)
       # ---- fan out to G samples per prompt: the cache is built fanned out (and, for the
       # unrolled decode, split per layer) in one write per buffer.
       cache = _constrain_cache(
@@ -378,6 +399,7 @@ class Sampler:
           cache=_constrain_cache(cache),
           layers=layers,
           fuse_projections=self.fuses_projections(B),
+          fused_weights=fused_layers,
         )
         logits = sharding.constrain(logits[:, 0], ("batch", "vocab"))
         tok, active, done, tokens, logps, slogps, stopped = sample(t, logits, done, tokens, logps, slogps, stopped)
@@ -468,6 +490,7 @@ class Sampler:
       temp,
       key,
       limit,
+      self._fused_layers(B),
       num_samples=num_samples,
       max_len=max_len,
       sampling=sampling,
