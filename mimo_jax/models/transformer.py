@@ -89,8 +89,11 @@ def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray)
   """Rotates ``x`` by position (the half-split convention of Hugging Face Llama/Qwen2)."""
   # [B, T, H/2]
   angles = positions_bt[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
-  cos = jnp.cos(angles)[:, :, None, :]
-  sin = jnp.sin(angles)[:, :, None, :]
+  # The tables are made once: fused into the rotation, XLA:CPU would evaluate the cosine and sine
+  # (and the positions' cumulative sum) again for every head's element (a batch-16 CPU generate call
+  # took ~1.5% longer).
+  cos, sin = jax.lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles)))
+  cos, sin = cos[:, :, None, :], sin[:, :, None, :]
   x = x_btnh.astype(jnp.float32)
   x1, x2 = jnp.split(x, 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
