@@ -720,11 +720,11 @@ class Decoder(nnx.Module):
     inv_freq = rope_inv_freq(cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     L = cfg.num_layers
-    fused = [None] * L if fused_weights is None else list(fused_weights)
-    if len(fused) != L or (layers is not None and len(layers) != L):
-      raise ValueError(f"{L} layers but {len(layers or ())} layer states and {len(fused)} fused weights")
     if fused_weights is not None and layers is None:
       raise ValueError("fused_weights need the per-layer weights (layers) they were made from")
+    fused = [None] * L if fused_weights is None else list(fused_weights)
+    if layers is not None and not len(layers) == len(fused) == L:
+      raise ValueError(f"{L} layers but {len(layers)} layer states and {len(fused)} fused weights")
     x = self._embed(tokens_bt)
     if layers is None:
 
