@@ -59,7 +59,11 @@ setup(
   + ["mimo_jax.kernels", "mimo_jax.checkpoints_schema"]
   + [f"mimo_jax.kernels.{p}" for p in find_packages("kernels")],
   package_dir={"mimo_jax.kernels": "kernels", "mimo_jax.checkpoints_schema": "checkpoints_schema"},
-  package_data={"mimo_jax": ["data/*", "data/*/*"], "mimo_jax.checkpoints_schema": ["*.json"]},
+  package_data={
+    "mimo_jax": ["data/*", "data/*/*"],
+    "mimo_jax.checkpoints_schema": ["*.json"],
+    "mimo_jax.kernels.cpu_rows": ["*.cc"],
+  },
   install_requires=INSTALL_REQUIRES,
   extras_require=EXTRAS,
 )

@@ -198,24 +198,27 @@ def test_a_kept_copy_holds_the_fused_weights_of_calls_that_fuse(mesh_shape):
   """keep_layer_copy with fused projections: each layer's [w_q | w_k | w_v] and [w_gate | w_up] are
   made at the first call that fuses and reused by the next (nothing recompiled; the program then
   concatenates no weight); a call that does not fuse keeps none; new weights drop them.  The samples
-  are those of a sampler that concatenates the weights inside every call."""
+  are those of a sampler that concatenates the weights inside every call.  (XLA's products: the
+  packed copy for cpu_rows is tested in test_cpu_rows.py.)"""
   mesh, model, tokens, mask, kw = _decode_case(mesh_shape, seed=5, num_samples=2, key=7)
   cfg = model.config
-  per_call = Sampler(model, mesh=mesh, fuse_projections=True).generate(tokens, mask, **kw)
-  sampler = Sampler(model, mesh=mesh, keep_layer_copy=True, fuse_projections=True)
+  xla = dict(fuse_projections=True, cpu_rows_products=False)
+  per_call = Sampler(model, mesh=mesh, **xla).generate(tokens, mask, **kw)
+  sampler = Sampler(model, mesh=mesh, keep_layer_copy=True, **xla)
   out = sampler.generate(tokens, mask, **kw)
   np.testing.assert_array_equal(out.completion_tokens, per_call.completion_tokens)
   np.testing.assert_array_equal(out.finish_reason, per_call.finish_reason)
   np.testing.assert_allclose(out.logprobs, per_call.logprobs, atol=1e-6)
   assert set(np.asarray(out.finish_reason).tolist()) == {FINISH_STOP, FINISH_LENGTH}
-  fused = sampler._fused_copy
+  fused, head = sampler._fused_copy[False]
+  assert head is None
   H = cfg.resolved_head_dim
   assert len(fused) == cfg.num_layers
   assert fused[0][0].shape == (cfg.d_model, (cfg.num_heads + 2 * cfg.num_kv_heads) * H)
   assert fused[0][1].shape == (cfg.d_model, 2 * cfg.mlp_dim)
   with count_compilations() as c:
     again = sampler.generate(tokens, mask, **kw)
-  assert c.count == 0 and sampler._fused_copy is fused
+  assert c.count == 0 and sampler._fused_copy[False][0] is fused
   np.testing.assert_array_equal(again.completion_tokens, out.completion_tokens)
 
   B = len(PROMPTS) * kw["num_samples"]
@@ -234,14 +237,14 @@ def test_a_kept_copy_holds_the_fused_weights_of_calls_that_fuse(mesh_shape):
   with pytest.raises(ValueError, match="fused_weights need the per-layer weights"):
     model.decoder.prefill(jnp.asarray(tokens), jnp.asarray(mask, jnp.int32), jnp.asarray(mask), None, fused)
 
-  not_fusing = Sampler(model, mesh=mesh, keep_layer_copy=True, fuse_projections=False)
+  not_fusing = Sampler(model, mesh=mesh, keep_layer_copy=True, fuse_projections=False, cpu_rows_products=False)
   not_fusing.generate(tokens, mask, **kw)
-  assert not_fusing._layer_copy is not None and not_fusing._fused_copy is None
+  assert not_fusing._layer_copy is not None and not_fusing._fused_copy == {}
 
   _, other, *_ = _decode_case(mesh_shape, seed=6, num_samples=2, key=7)
   sampler.update_params(other)
-  assert sampler._layer_copy is None and sampler._fused_copy is None
-  want = Sampler(other, mesh=mesh, fuse_projections=True).generate(tokens, mask, **kw)
+  assert sampler._layer_copy is None and sampler._fused_copy == {}
+  want = Sampler(other, mesh=mesh, **xla).generate(tokens, mask, **kw)
   np.testing.assert_array_equal(sampler.generate(tokens, mask, **kw).completion_tokens, want.completion_tokens)
 
 
@@ -319,21 +322,21 @@ def test_fused_projections_give_the_separate_ones_results_with_three_fewer_produ
   assert stacked[True] == stacked[False]
 
 
-def _assert_a_rows_rule(model, rule: str, option: str, bounds: tuple[int, int]) -> Sampler:
+def _assert_a_rows_rule(model, rule: str, option: str, bounds: tuple[int, int], **kw) -> Sampler:
   """What the sampler's two rows rules share: true at the range's ends and false just outside, never for
   the scanned decode, an explicit ``option`` wins, and rows count per batch shard on a data mesh.
-  Returns the default sampler."""
+  ``kw``: the samplers' other options.  Returns the default sampler."""
   low, high = bounds
-  sampler = Sampler(model)
+  sampler = Sampler(model, **kw)
 
   def holds(s: Sampler, rows: int) -> bool:
     return getattr(s, rule)(rows)
 
   assert holds(sampler, low) and holds(sampler, high)
   assert not holds(sampler, low - 1) and not holds(sampler, high + 1)
-  assert not holds(Sampler(model, unrolled_decode=False), high)
-  assert not holds(Sampler(model, **{option: False}), high)
-  assert holds(Sampler(model, **{option: True}), 1)
+  assert not holds(Sampler(model, unrolled_decode=False, **kw), high)
+  assert not holds(Sampler(model, **{option: False}, **kw), high)
+  assert holds(Sampler(model, **{option: True}, **kw), 1)
   data_parallel = Sampler(model, mesh=build_mesh(MeshConfig(2, 4, 1)))  # 8 batch shards
   assert holds(data_parallel, 8 * low) and holds(data_parallel, 8 * high)
   assert not holds(data_parallel, 8 * high + 8)
@@ -341,12 +344,13 @@ def _assert_a_rows_rule(model, rule: str, option: str, bounds: tuple[int, int]) 
 
 
 def test_a_small_cpu_decode_fuses_its_projections_unless_the_weights_are_split():
-  """The sampler's rule: on CPU, FUSED_DECODE_ROWS rows per batch shard and weights whose feature
-  axes are not split over devices; never for the scanned decode; an explicit choice wins."""
+  """The sampler's rule on XLA's products: on CPU, FUSED_DECODE_ROWS rows per batch shard and weights
+  whose feature axes are not split over devices; never for the scanned decode; an explicit choice
+  wins.  (A decode on cpu_rows, one device and 1-16 rows, always fuses: test_cpu_rows.py.)"""
   from mimo_jax.rollout.sampler import FUSED_DECODE_ROWS
 
   _, model, *_ = _decode_case(None, seed=0, num_samples=1, key=0)
-  _assert_a_rows_rule(model, "fuses_projections", "fuse_projections", FUSED_DECODE_ROWS)
+  _assert_a_rows_rule(model, "fuses_projections", "fuse_projections", FUSED_DECODE_ROWS, cpu_rows_products=False)
   high = FUSED_DECODE_ROWS[1]
   assert not Sampler(model, mesh=build_mesh(MeshConfig(2, 2, 2))).fuses_projections(4 * high)  # heads, mlp split
 

@@ -59,11 +59,13 @@ def _timed(fn, *args) -> float:
   return time.perf_counter() - t0
 
 
-def ours(model, prompts, new_tokens, keep_layer_copy=True, fuse_projections=None):
+def ours(model, prompts, new_tokens, keep_layer_copy=True, fuse_projections=None, cpu_rows_products=None):
   """(run(n) -> None, tokens): greedy generation of n tokens with the trainer's sampler
   (by default as ``rollout.generate`` builds it: the per-layer weights kept between calls;
-  ``fuse_projections``: the sampler's option, None for its rule)."""
-  sampler = Sampler(model, keep_layer_copy=keep_layer_copy, fuse_projections=fuse_projections)
+  ``fuse_projections``, ``cpu_rows_products``: the sampler's options, None for its rules)."""
+  sampler = Sampler(
+    model, keep_layer_copy=keep_layer_copy, fuse_projections=fuse_projections, cpu_rows_products=cpu_rows_products
+  )
   tokens, mask = left_pad(prompts, len(prompts[0]), 0)
   kw = dict(num_samples=1, max_len=new_tokens, sampling=SamplingParams(), temperature=0.0, key=jax.random.key(0))
 
@@ -181,6 +183,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="also time mimo-jax with q|k|v and gate|up as separate products (side 'separate'), alternated with "
     "the default, which fuses them at small batches on CPU",
   )
+  parser.add_argument(
+    "--also_xla_products",
+    action="store_true",
+    help="also time mimo-jax with the decode step's products on XLA's kernels (side 'xla-products'), "
+    "alternated with the default, which runs them on mimo_jax.kernels.cpu_rows at 1-16 rows on one CPU device",
+  )
   args = parser.parse_args(argv)
   try:
     args.batches = [int(b) for b in args.batch.split(",")]
@@ -223,6 +231,8 @@ def main(argv=None):
     sides = {"mimo-jax": ours(model, prompts, N, keep_layer_copy=kept)}
     if args.also_separate_projections:
       sides["separate"] = ours(model, prompts, N, keep_layer_copy=kept, fuse_projections=False)
+    if args.also_xla_products:
+      sides["xla-products"] = ours(model, prompts, N, keep_layer_copy=kept, cpu_rows_products=False)
     if not args.no_baselines:
       sides["transformers"] = transformers_side(tmp, prompts, N, args.dtype)
     times = {name: ([], []) for name in sides}
@@ -237,6 +247,7 @@ def main(argv=None):
       layer_copy=args.layer_copy,
       fused_projections=default.fuses_projections(B),
       ynn_dots=default.uses_ynn_dots(B),
+      cpu_rows_products=default.uses_cpu_rows(B),
       **rows,
     )
     step_bytes = decode_bytes_per_step(cfg, B, P + N)

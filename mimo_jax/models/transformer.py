@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mimo_jax.kernels import cpu_rows
 from mimo_jax.models.config import ModelConfig, RopeScaling
 from mimo_jax.sharding import constrain
 
@@ -48,10 +49,21 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1, preferred_element_typ
   """
   lead, inner = x.shape[: x.ndim - contract], x.shape[x.ndim - contract :]
   k = math.prod(inner)
+  if isinstance(w, cpu_rows.Panels):  # a weight packed once for the decode's few rows (cpu_rows)
+    if w.k != k:
+      raise ValueError(f"project: x {x.shape} contracts {k} features, the packed weight {w.k}")
+    return cpu_rows.rows_matmul(x.reshape(-1, k), w.data, w.n).reshape(*lead, w.n)
   if w.shape[:contract] != inner:
     raise ValueError(f"project: x {x.shape} and w {w.shape} disagree on the {contract} contracted dims")
   out = w.shape[contract:]
-  y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=preferred_element_type)
+  x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
+  if preferred_element_type in (None, jnp.float32) and cpu_rows.wanted(x2.shape[0], x.dtype, w.dtype):
+    # A decode step's few rows (traced inside cpu_rows.for_products): the weight packed into column
+    # panels and streamed on all cores at once.  The barrier lets XLA hoist the packing of a
+    # loop-invariant weight out of a decode loop (a bare transpose it leaves inside, every step).
+    y = cpu_rows.rows_matmul(x2, jax.lax.optimization_barrier(cpu_rows.pack(w2)), w2.shape[1])
+  else:
+    y = jnp.dot(x2, w2, preferred_element_type=preferred_element_type)
   return y.reshape(*lead, *out)
 
 
@@ -159,7 +171,8 @@ class Attention(nnx.Module):
     queries: int | None = None,
     prompt_kv: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     fuse_projections: bool = False,
-    fused_qkv: jax.Array | None = None,
+    fused_qkv: jax.Array | cpu_rows.Panels | None = None,
+    w_o: cpu_rows.Panels | None = None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Args: x [B,T,D]; positions [B,T]; mask [B,T,S] (True = attend); optional cache
     (k ``[B,K,H,S]``, v ``[B,K,S,H]``: the :class:`KVCache` layout) and the slot where this
@@ -176,7 +189,8 @@ class Attention(nnx.Module):
 
     ``fuse_projections``: queries, keys and values from one product with the three weights
     side by side (see :meth:`_qkv`); ``fused_qkv``: that weight made before the call
-    (:meth:`fused_qkv_weight`), else it is concatenated here.
+    (:meth:`fused_qkv_weight`), else it is concatenated here.  ``w_o``: the output projection
+    packed for a decode step (:meth:`Block.decode_weights`), else the parameter.
 
     Returns: output [B,T,D] (or [B,queries,D]) and the updated cache; without a cache, this
     call's keys and values ``[B,T,K,H]`` (after RoPE; a prefill writes them into a fresh cache).
@@ -219,7 +233,7 @@ class Attention(nnx.Module):
         out = jax.lax.platform_dependent(*args, cpu=single, default=batched)
       else:
         out = batched(*args)
-    return self._output(out), new_cache
+    return self._output(out, w_o), new_cache
 
   def fused_qkv_weight(self) -> jax.Array:
     """``[w_q | w_k | w_v]`` as one ``[D, (N + 2 K) H]`` weight in the compute dtype (see :meth:`_qkv`)."""
@@ -258,11 +272,11 @@ class Attention(nnx.Module):
     B, T, N, H = q.shape
     return q.reshape(B, T, self.num_kv_heads, N // self.num_kv_heads, H), k, v
 
-  def _output(self, out_btkgh: jax.Array) -> jax.Array:
-    """The output projection of the attention's ``[B, T, K, G, H]`` result."""
+  def _output(self, out_btkgh: jax.Array, w_o: cpu_rows.Panels | None = None) -> jax.Array:
+    """The output projection of the attention's ``[B, T, K, G, H]`` result (``w_o``: packed, see ``__call__``)."""
     B, T, K, G, H = out_btkgh.shape
     out = constrain(out_btkgh.reshape(B, T, K * G, H), ("batch", "seq", "heads", "head_dim"))
-    y = project(out, self.w_o_nhd[...].astype(self.dtype), contract=2)
+    y = project(out, self.w_o_nhd[...].astype(self.dtype) if w_o is None else w_o, contract=2)
     if self.b_o_d is not None:
       y = y + self.b_o_d[...].astype(self.dtype)
     return y
@@ -388,10 +402,15 @@ class MLP(nnx.Module):
     return jnp.concatenate([self.w_gate_df[...].astype(self.dtype), self.w_up_df[...].astype(self.dtype)], axis=1)
 
   def __call__(
-    self, x_btd: jax.Array, fuse_projections: bool = False, fused_gate_up: jax.Array | None = None
+    self,
+    x_btd: jax.Array,
+    fuse_projections: bool = False,
+    fused_gate_up: jax.Array | cpu_rows.Panels | None = None,
+    w_down: cpu_rows.Panels | None = None,
   ) -> jax.Array:
     """``fuse_projections``: gate and up from one product ``x @ [w_gate | w_up]`` (see
-    :meth:`Attention._qkv`), with ``fused_gate_up`` as that weight when given."""
+    :meth:`Attention._qkv`), with ``fused_gate_up`` as that weight when given; ``w_down``: the down
+    projection packed for a decode step (:meth:`Block.decode_weights`), else the parameter."""
     dt = self.dtype
     x = x_btd.astype(dt)
     if fuse_projections:
@@ -401,7 +420,7 @@ class MLP(nnx.Module):
       gate = project(x, self.w_gate_df[...].astype(dt))
       up = project(x, self.w_up_df[...].astype(dt))
     h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-    return project(h, self.w_down_fd[...].astype(dt))
+    return project(h, self.w_down_fd[...].astype(dt) if w_down is None else w_down)
 
 
 class Block(nnx.Module):
@@ -439,9 +458,9 @@ class Block(nnx.Module):
   ):
     """``queries``: only the last that many positions come out; ``prompt_kv``: a shared
     prompt's keys and values; ``fuse_projections``: q|k|v and gate|up each as one product (see
-    :class:`Attention`), with ``fused_weights`` (:meth:`fused_projection_weights`) as their
-    weights when given."""
-    fused_qkv, fused_gate_up = (None, None) if fused_weights is None else fused_weights
+    :class:`Attention`), with ``fused_weights`` (:meth:`fused_projection_weights`, or
+    :meth:`decode_weights` for a decode step's few rows) as their weights when given."""
+    fused_qkv, fused_gate_up, w_o, w_down = (None,) * 4 if fused_weights is None else (*fused_weights, None, None)[:4]
     h, new_cache = self.attn(
       self.attn_norm(x),
       positions,
@@ -453,17 +472,28 @@ class Block(nnx.Module):
       prompt_kv,
       fuse_projections,
       fused_qkv,
+      w_o,
     )
     if queries is not None:
       x = x[:, -queries:]
     x = constrain(x + h.astype(x.dtype), ("batch", "seq", "act_embed"))
-    x = x + self.mlp(self.mlp_norm(x), fuse_projections, fused_gate_up).astype(x.dtype)
+    x = x + self.mlp(self.mlp_norm(x), fuse_projections, fused_gate_up, w_down).astype(x.dtype)
     return constrain(x, ("batch", "seq", "act_embed")), new_cache
 
   def fused_projection_weights(self) -> tuple[jax.Array, jax.Array]:
     """The layer's ``[w_q | w_k | w_v]`` and ``[w_gate | w_up]`` weights, for a decode step that fuses
     its projections."""
     return self.attn.fused_qkv_weight(), self.mlp.fused_gate_up_weight()
+
+  def decode_weights(self) -> tuple[cpu_rows.Panels, ...]:
+    """The layer's ``[w_q | w_k | w_v]``, ``[w_gate | w_up]``, output and down projections, each packed
+    for :func:`mimo_jax.kernels.cpu_rows.rows_matmul` (a decode step's few rows on CPU; ``__call__``'s
+    ``fused_weights``, with ``fuse_projections``)."""
+    w_o = self.attn.w_o_nhd[...].astype(self.attn.dtype)
+    w_down = self.mlp.w_down_fd[...].astype(self.mlp.dtype)
+    return tuple(
+      cpu_rows.Panels.of(w) for w in (*self.fused_projection_weights(), w_o.reshape(-1, w_o.shape[-1]), w_down)
+    )
 
   def with_prompt(self, x, positions, prompt_len, mask_pp, mask_ss, inv_freq):
     """The layer over prompts and their continuations, ``[G, P + R x T, D]`` (see
@@ -675,6 +705,12 @@ class Decoder(nnx.Module):
     graphdef, _ = nnx.split(self.layers)
     return tuple(nnx.merge(graphdef, state_l).fused_projection_weights() for state_l in layers)
 
+  def decode_weights(self, layers: tuple[nnx.State, ...]) -> tuple[tuple[cpu_rows.Panels, ...], ...]:
+    """Each layer's :meth:`Block.decode_weights` from its weights ``layers`` (:meth:`layer_states`):
+    made once, kept between calls (``__call__``'s ``fused_weights``; not for a prefill's many rows)."""
+    graphdef, _ = nnx.split(self.layers)
+    return tuple(nnx.merge(graphdef, state_l).decode_weights() for state_l in layers)
+
   def _remat(self, body):
     """A training scan's layer body under the config's rematerialisation policy."""
     if self.config.remat == "none":
@@ -722,6 +758,8 @@ class Decoder(nnx.Module):
     L = cfg.num_layers
     if fused_weights is not None and layers is None:
       raise ValueError("fused_weights need the per-layer weights (layers) they were made from")
+    if fused_weights is not None and any(isinstance(w, cpu_rows.Panels) for f in fused_weights for w in f):
+      raise ValueError("a prefill takes fused_projection_weights, not decode_weights (packed for a few rows)")
     fused = [None] * L if fused_weights is None else list(fused_weights)
     if layers is not None and not len(layers) == len(fused) == L:
       raise ValueError(f"{L} layers but {len(layers)} layer states and {len(fused)} fused weights")
@@ -818,7 +856,8 @@ class Decoder(nnx.Module):
         (:meth:`Attention._qkv`); ignored otherwise (a scanned stack would concatenate the
         weights at every call).
       fused_weights: with ``fuse_projections``, each layer's concatenated weights
-        (:meth:`fused_projection_weights`, made outside the call), else they are made here.
+        (:meth:`fused_projection_weights`, made outside the call), else they are made here; or,
+        for a decode step's few rows on CPU, each layer's packed weights (:meth:`decode_weights`).
 
     Returns:
       Final-normed hidden states ``[B, T, D]`` (compute dtype) and the updated cache.
@@ -924,11 +963,23 @@ class Transformer(nnx.Module):
       return self.decoder.embed_vd[...].T
     return self.lm_head_dv[...]
 
-  def logits_from_hidden(self, hidden_btd: jax.Array) -> jax.Array:
-    """float32 logits ``[B, T, V]`` from final hidden states."""
+  def logits_from_hidden(self, hidden_btd: jax.Array, unembedding: cpu_rows.Panels | None = None) -> jax.Array:
+    """float32 logits ``[B, T, V]`` from final hidden states (``unembedding``: the matrix packed for a
+    decode step, :meth:`decode_weights`; else :meth:`unembedding`)."""
     dt = jnp.dtype(self.config.dtype)
-    logits = project(hidden_btd.astype(dt), self.unembedding().astype(dt), preferred_element_type=jnp.float32)
+    w = self.unembedding().astype(dt) if unembedding is None else unembedding
+    logits = project(hidden_btd.astype(dt), w, preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", "seq", "vocab"))
+
+  def decode_weights(
+    self, layers: tuple[nnx.State, ...]
+  ) -> tuple[tuple[tuple[cpu_rows.Panels, ...], ...], cpu_rows.Panels]:
+    """Each layer's packed weights (:meth:`Decoder.decode_weights`) and the packed unembedding, for
+    a decode step's few rows on CPU (``__call__``'s ``fused_weights`` and ``unembedding``).  Float32
+    models only (:func:`mimo_jax.kernels.cpu_rows.rows_matmul`)."""
+    if jnp.dtype(self.config.dtype) != jnp.float32:
+      raise ValueError(f"decode_weights: float32 models only (compute dtype {self.config.dtype})")
+    return self.decoder.decode_weights(layers), cpu_rows.Panels.of(self.unembedding().astype(jnp.float32))
 
   def hidden(
     self,
@@ -958,6 +1009,7 @@ class Transformer(nnx.Module):
     layers: tuple[nnx.State, ...] | None = None,
     fuse_projections: bool = False,
     fused_weights: tuple[tuple[jax.Array, jax.Array], ...] | None = None,
+    unembedding: cpu_rows.Panels | None = None,
   ) -> Any:
     """Logits for a batch.
 
@@ -969,6 +1021,7 @@ class Transformer(nnx.Module):
       cache: optional KV cache; when given, returns ``(logits, new_cache)``.
       layers: per-layer weights for a per-layer cache (:meth:`Decoder.layer_states`).
       fuse_projections, fused_weights: see :meth:`Decoder.__call__`.
+      unembedding: the unembedding packed for a decode step (:meth:`decode_weights`).
 
     Returns:
       float32 logits ``[B, T, V]`` (and the updated cache when one is passed).
@@ -982,7 +1035,7 @@ class Transformer(nnx.Module):
       fuse_projections=fuse_projections,
       fused_weights=fused_weights,
     )
-    logits = self.logits_from_hidden(hidden)
+    logits = self.logits_from_hidden(hidden, unembedding)
     return logits if cache is None else (logits, new_cache)
 
 

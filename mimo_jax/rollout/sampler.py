@@ -38,6 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from mimo_jax import sharding, xla_defaults
+from mimo_jax.kernels import cpu_rows
 from mimo_jax.models.logprobs import completion_logprobs
 from mimo_jax.models.transformer import (
   K_CACHE_LOGICAL_AXES,
@@ -57,6 +58,9 @@ FUSED_DECODE_ROWS = (8, 16)
 # Rows per batch shard (inclusive range) for which a CPU generate program takes YNNPACK's products
 # instead of the process's Eigen ones (:meth:`Sampler.uses_ynn_dots`).
 YNN_DECODE_ROWS = (32, 64)
+# Rows per decode step whose products run on mimo_jax.kernels.cpu_rows on CPU (one device):
+# BUILD_NOTES, "A decode step's products on both cores".
+CPU_ROWS_DECODE_ROWS = (1, 16)
 
 
 @flax.struct.dataclass
@@ -138,6 +142,7 @@ class Sampler:
     share_prompt_cache: bool = True,
     fuse_projections: bool | None = None,
     ynn_dots: bool | None = None,
+    cpu_rows_products: bool | None = None,
   ):
     """Args:
     model: the policy; its parameters are read, never copied outside a generate call.
@@ -175,6 +180,11 @@ class Sampler:
       None (default): in the unrolled decode when a batch shard holds :data:`YNN_DECODE_ROWS`
       rows (see :meth:`uses_ynn_dots`); True / False: always / never where the process's
       choice allows it (never when ``MIMO_JAX_CPU_DOTS`` is set or ``XLA_FLAGS`` names the option).
+    cpu_rows_products: run the decode step's matrix products on :mod:`mimo_jax.kernels.cpu_rows`
+      (the weights packed once per call, split over all cores without a thread hand-off's delay).
+      None (default): on CPU with one device, the unrolled decode and :data:`CPU_ROWS_DECODE_ROWS`
+      rows, where the library builds (see :meth:`uses_cpu_rows`); False: never; True: wherever it
+      can run (one CPU device, the unrolled decode).
     """
     if keep_layer_copy and not unrolled_decode:
       raise ValueError("keep_layer_copy=True needs unrolled_decode=True (the scanned decode reads the stacked weights)")
@@ -187,18 +197,22 @@ class Sampler:
     self.share_prompt_cache = share_prompt_cache
     self.fuse_projections = fuse_projections
     self.ynn_dots = ynn_dots
+    self.cpu_rows_products = cpu_rows_products
     self._graphdef, self._state = nnx.split(model)
     # (the parameter leaves it was made from, the per-layer weights); None until needed.
     self._layer_copy: tuple[list, tuple[nnx.State, ...]] | None = None
     # Each layer's concatenated q|k|v and gate|up weights, made from the kept copy for calls
     # that fuse their projections; None until needed, dropped with the copy.
-    self._fused_copy: tuple[tuple[jax.Array, jax.Array], ...] | None = None
+    # Under True: Transformer.decode_weights (the layers' and the unembedding's weights packed for
+    # cpu_rows); under False: (Decoder.fused_projection_weights, None).
+    self._fused_copy: dict[bool, tuple] = {}
     # One jitted generate per set of compiler options (see generate_program).
     self._generate_programs: dict[tuple, Callable] = {}
     self._split_layers = jax.jit(lambda state: nnx.merge(self._graphdef, state).decoder.layer_states())
     self._fuse_layers = jax.jit(
       lambda state, layers: nnx.merge(self._graphdef, state).decoder.fused_projection_weights(layers)
     )
+    self._pack_layers = jax.jit(lambda state, layers: nnx.merge(self._graphdef, state).decode_weights(layers))
     self._logps = jax.jit(self._logps_impl)
 
   # ------------------------------------------------------------------ params
@@ -211,7 +225,8 @@ class Sampler:
       made_from, new = self._layer_copy[0], jax.tree.leaves(model_or_state)
       # Arrays are immutable: the same leaves are the same weights.
       if len(made_from) != len(new) or any(a is not b for a, b in zip(made_from, new, strict=True)):
-        self._layer_copy = self._fused_copy = None
+        self._layer_copy = None
+        self._fused_copy = {}
     self._state = model_or_state
 
   def _layers(self) -> tuple[nnx.State, ...] | None:
@@ -222,15 +237,21 @@ class Sampler:
       self._layer_copy = (jax.tree.leaves(self._state), self._split_layers(self._state))
     return self._layer_copy[1]
 
-  def _fused_layers(self, rows: int) -> tuple[tuple[jax.Array, jax.Array], ...] | None:
-    """The kept concatenated weights for a call of ``rows`` rows that fuses its projections (made
-    now if needed); None when the call does not fuse or nothing is kept (the call then makes them)."""
+  def _fused_layers(self, rows: int) -> tuple[tuple | None, cpu_rows.Panels | None]:
+    """The kept weights of a call of ``rows`` rows that fuses its projections (made now if needed):
+    each layer's concatenated weights and None, or, when its decode runs on
+    :mod:`~mimo_jax.kernels.cpu_rows` (:meth:`uses_cpu_rows`), each layer's weights and the
+    unembedding packed for it.  (None, None) when the call does not fuse or nothing is kept (the call
+    then makes what it needs)."""
     if not self.keep_layer_copy or not self.fuses_projections(rows):
-      return None
-    layers = self._layers()
-    if self._fused_copy is None:
-      self._fused_copy = self._fuse_layers(self._state, layers)
-    return self._fused_copy
+      return None, None
+    packed = self.uses_cpu_rows(rows)
+    if packed not in self._fused_copy:
+      if packed:
+        self._fused_copy[packed] = self._pack_layers(self._state, self._layers())
+      else:
+        self._fused_copy[packed] = (self._fuse_layers(self._state, self._layers()), None)
+    return self._fused_copy[packed]
 
   @property
   def batch_shards(self) -> int:
@@ -258,6 +279,8 @@ class Sampler:
       return False
     if self.fuse_projections is not None:
       return self.fuse_projections
+    if self.uses_cpu_rows(rows):
+      return True
     if sharding.mesh_platform(self.mesh) != "cpu" or not self._shard_rows_in(rows, FUSED_DECODE_ROWS):
       return False
     if self.mesh is None:
@@ -265,6 +288,23 @@ class Sampler:
     specs = sharding.logical_to_spec(("heads", "kv_heads", "mlp"), self.rules, self.mesh)
     axes = [a for spec in specs if spec is not None for a in ((spec,) if isinstance(spec, str) else spec)]
     return all(self.mesh.shape[a] == 1 for a in axes)
+
+  def uses_cpu_rows(self, rows: int) -> bool:
+    """Whether a decode step over ``rows`` rows runs its products on :mod:`mimo_jax.kernels.cpu_rows`.
+
+    Measured on XLA:CPU (BUILD_NOTES, "A decode step's products on both cores").  Only on one CPU
+    device (the custom call is not partitioned over a mesh) and in the unrolled decode (whose
+    weights are loop-invariant, so the packing runs once per call).
+    """
+    if self.cpu_rows_products is False or not self.unrolled_decode:
+      return False
+    if sharding.mesh_platform(self.mesh) != "cpu" or (self.mesh is not None and self.mesh.size != 1):
+      return False
+    if jnp.dtype(self.config.dtype) != jnp.float32:
+      return False
+    if self.cpu_rows_products is None and not self._shard_rows_in(rows, CPU_ROWS_DECODE_ROWS):
+      return False
+    return cpu_rows.available()
 
   def uses_ynn_dots(self, rows: int) -> bool:
     """Whether the generate program for calls of ``rows`` rows takes YNNPACK's products.
@@ -320,6 +360,7 @@ class Sampler:
     key,
     max_new_tokens,
     fused_layers=None,
+    unembedding=None,
     *,
     num_samples: int,
     max_len: int,
@@ -335,7 +376,10 @@ class Sampler:
       # ---- prefill (once per prompt: the scanned stack, whose program does not grow with
       # depth, or unrolled on the kept per-layer weights)
       positions = positions_from_mask(prompt_mask)
-      hidden, (k, v) = model.decoder.prefill(prompt_tokens, positions, prompt_mask, layers, fused_layers)
+      # (a decode's packed weights are not the prefill's: it multiplies many rows)
+      packed = unembedding is not None
+      prefill_fused = None if packed else fused_layers
+      hidden, (k, v) = model.decoder.prefill(prompt_tokens, positions, prompt_mask, layers, prefill_fused)
       # ---- fan out to G samples per prompt: the cache is built fanned out (and, for the
       # unrolled decode, split per layer) in one write per buffer.
       cache = _constrain_cache(
@@ -392,15 +436,17 @@ class Sampler:
 
       def body(c):
         t, cache, tok, active, next_pos, done, tokens, logps, slogps, stopped = c
-        logits, cache = model(
-          tok[:, None],
-          attention_mask=active[:, None],
-          positions=next_pos[:, None],
-          cache=_constrain_cache(cache),
-          layers=layers,
-          fuse_projections=self.fuses_projections(B),
-          fused_weights=fused_layers,
-        )
+        with cpu_rows.for_products(B if self.uses_cpu_rows(B) else 0):
+          logits, cache = model(
+            tok[:, None],
+            attention_mask=active[:, None],
+            positions=next_pos[:, None],
+            cache=_constrain_cache(cache),
+            layers=layers,
+            fuse_projections=self.fuses_projections(B),
+            fused_weights=fused_layers,
+            unembedding=unembedding,
+          )
         logits = sharding.constrain(logits[:, 0], ("batch", "vocab"))
         tok, active, done, tokens, logps, slogps, stopped = sample(t, logits, done, tokens, logps, slogps, stopped)
         return (t + 1, cache, tok, active, next_pos + 1, done, tokens, logps, slogps, stopped)
@@ -490,7 +536,7 @@ class Sampler:
       temp,
       key,
       limit,
-      self._fused_layers(B),
+      *self._fused_layers(B),
       num_samples=num_samples,
       max_len=max_len,
       sampling=sampling,

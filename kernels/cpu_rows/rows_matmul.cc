@@ -1,0 +1,230 @@
+// A matrix product of a few rows with a weight packed in column panels, on a pool of threads that
+// wait for work by spinning first: an XLA FFI custom call for the CPU decode step.
+//
+//   y[M, P * 16] = x[M, K] @ W,  W given packed as panels[P, K, 16] (panel p = columns 16p .. 16p + 15),
+//
+// Why: a decode step multiplies 1-16 rows by each weight, so a product streams the weight once and
+// does little arithmetic per byte.  XLA:CPU splits such a product over its intra-op pool, whose
+// helper threads wake 30-70 us after the caller (a futex wake on a virtual machine), by which time
+// the caller has done most of the work alone.  Here the panels are split evenly between the caller
+// and helpers that spin for a while after each product, so both halves start at once; each panel
+// is one contiguous stream.  Every output element is summed by one thread in the same order (k
+// ascending, one fused multiply-add per k), so the result does not depend on the number of threads.
+//
+// Built with the host's own vector width (-march=native) by mimo_jax.kernels.cpu_rows on first use.
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <pthread.h>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kPanel = 16;  // floats per panel row: one 64-byte line
+typedef float Vec __attribute__((vector_size(kPanel * sizeof(float))));
+
+// Rows per pass over a panel: as many accumulators as the vector registers hold.
+#if defined(__AVX512F__)
+constexpr int kMaxRows = 16;  // 16 zmm accumulators of 32
+#elif defined(__aarch64__)
+constexpr int kMaxRows = 6;  // 6 x 4 q accumulators of 32
+#elif defined(__AVX__)
+constexpr int kMaxRows = 6;  // 6 x 2 ymm accumulators of 16
+#else
+constexpr int kMaxRows = 3;
+#endif
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// R rows of x times one panel.
+template <int R>
+void PanelRows(const float* x, int64_t K, const float* panel, float* y, int64_t ldy) {
+  Vec acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = Vec{};
+  for (int64_t k = 0; k < K; ++k) {
+    Vec w;
+    std::memcpy(&w, panel + k * kPanel, sizeof(Vec));
+    for (int r = 0; r < R; ++r) acc[r] += x[r * K + k] * w;
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, &acc[r], sizeof(Vec));
+}
+
+typedef void (*PanelRowsFn)(const float*, int64_t, const float*, float*, int64_t);
+
+template <size_t... I>
+constexpr std::array<PanelRowsFn, sizeof...(I)> MakeTable(std::index_sequence<I...>) {
+  return {&PanelRows<static_cast<int>(I) + 1>...};
+}
+constexpr auto kPanelRows = MakeTable(std::make_index_sequence<kMaxRows>{});
+
+struct Product {
+  const float* x;
+  const float* panels;
+  float* y;
+  int64_t rows, k, num_panels;
+};
+
+// Panels [p0, p1) of the product, all rows.
+void RunPanels(const Product& t, int64_t p0, int64_t p1) {
+  const int64_t ldy = t.num_panels * kPanel;
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* panel = t.panels + p * t.k * kPanel;
+    for (int64_t m = 0; m < t.rows; m += kMaxRows) {
+      const int r = static_cast<int>(std::min<int64_t>(kMaxRows, t.rows - m));
+      kPanelRows[r - 1](t.x + m * t.k, t.k, panel, t.y + m * ldy + p * kPanel, ldy);
+    }
+  }
+}
+
+int HostThreads() {
+  if (const char* env = std::getenv("MIMO_JAX_CPU_ROWS_THREADS")) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+class Pool {
+ public:
+  explicit Pool(int threads) : threads_(std::max(1, threads)) {
+    for (int i = 1; i < threads_; ++i) std::thread([this, i] { Helper(i); }).detach();
+  }
+
+  int threads() const { return threads_; }
+
+  void Run(const Product& t) {
+    // One product at a time on the helpers; a concurrent caller (another device's program) runs alone.
+    std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
+    const int parts = static_cast<int>(std::min<int64_t>(threads_, t.num_panels));
+    if (!lock.owns_lock() || parts <= 1) {
+      RunPanels(t, 0, t.num_panels);
+      return;
+    }
+    product_ = t;
+    parts_ = parts;
+    // Every helper reports, those without panels too, so none can miss a product and none reads
+    // product_ or parts_ after the caller has moved on.
+    pending_.store(threads_ - 1, std::memory_order_relaxed);
+    generation_.fetch_add(1);  // publishes product_ and parts_
+    if (sleepers_.load() > 0) generation_.notify_all();
+    RunPanels(t, 0, Split(t.num_panels, parts, 1));
+    while (pending_.load(std::memory_order_acquire) != 0) CpuRelax();
+  }
+
+ private:
+  static int64_t Split(int64_t n, int parts, int i) { return n * i / parts; }
+
+  void Helper(int index) {
+    uint32_t seen = 0;  // the pool is made before its first product
+    for (;;) {
+      uint32_t now = Await(seen);
+      seen = now;
+      if (index < parts_) {
+        RunPanels(product_, Split(product_.num_panels, parts_, index), Split(product_.num_panels, parts_, index + 1));
+      }
+      pending_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  // Spins for kSpin after the last product (a decode step's products come tens of microseconds
+  // apart), then sleeps until the next.
+  uint32_t Await(uint32_t seen) {
+    constexpr auto kSpin = std::chrono::microseconds(300);
+    auto start = std::chrono::steady_clock::now();
+    for (int i = 0;; ++i) {
+      uint32_t now = generation_.load(std::memory_order_acquire);
+      if (now != seen) return now;
+      CpuRelax();
+      if ((i & 255) == 255 && std::chrono::steady_clock::now() - start > kSpin) break;
+    }
+    for (;;) {
+      sleepers_.fetch_add(1);
+      generation_.wait(seen);
+      sleepers_.fetch_sub(1);
+      uint32_t now = generation_.load(std::memory_order_acquire);
+      if (now != seen) return now;
+    }
+  }
+
+  const int threads_;
+  std::mutex busy_;
+  Product product_{};
+  int parts_ = 0;
+  std::atomic<uint32_t> generation_{0};
+  std::atomic<int> pending_{0};
+  std::atomic<int> sleepers_{0};
+};
+
+// The process's pool, made at the first product.  Never destroyed (helpers outlive static
+// destruction); a forked child, which has none of its parent's helper threads, makes its own.
+std::atomic<Pool*> g_pool{nullptr};
+std::mutex g_pool_mutex;
+
+void ForgetPoolInChild() { g_pool.store(nullptr); }
+
+Pool& GetPool() {
+  Pool* pool = g_pool.load(std::memory_order_acquire);
+  if (pool != nullptr) return *pool;
+  std::lock_guard<std::mutex> lock(g_pool_mutex);
+  pool = g_pool.load();
+  if (pool == nullptr) {
+    static const bool registered = (pthread_atfork(nullptr, nullptr, ForgetPoolInChild), true);
+    (void)registered;
+    pool = new Pool(HostThreads());
+    g_pool.store(pool, std::memory_order_release);
+  }
+  return *pool;
+}
+
+ffi::Error RowsMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto pd = panels.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[2] != kPanel || pd[1] != xd[1] ||
+      yd[0] != xd[0] || yd[1] != pd[0] * kPanel) {
+    return ffi::Error::InvalidArgument("rows_matmul: expected x [M, K], panels [P, K, 16] and y [M, 16 P]");
+  }
+  const Product t{x.typed_data(), panels.typed_data(), y->typed_data(), xd[0], xd[1], pd[0]};
+  if (t.rows == 0 || t.num_panels == 0) return ffi::Error::Success();
+  GetPool().Run(t);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MimoRowsMatmulF32, RowsMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+extern "C" int MimoRowsMatmulPanel() { return kPanel; }
+extern "C" int MimoRowsMatmulMaxRows() { return kMaxRows; }
+extern "C" int MimoRowsMatmulThreads() { return GetPool().threads(); }
