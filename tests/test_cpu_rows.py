@@ -164,7 +164,7 @@ def _case(seed=5, prompts=((5, 6, 7, 8), (9, 10), (11, 12, 13), (14,)), samples=
 
 
 def test_the_sampler_decodes_on_it_with_xla_products_tokens():
-  """Greedy and sampled generation on cpu_rows (the default at 1-16 rows on one CPU device) against
+  """Greedy and sampled generation on cpu_rows (the default at 1-32 rows on one CPU device) against
   the same sampler on XLA's products: the same tokens and stops, log-probs to float32 rounding."""
   model, tokens, mask, kw = _case()
   for temperature in (0.0, 0.7):
@@ -217,12 +217,12 @@ def test_the_kept_copy_holds_packed_weights_made_once():
 
 
 def test_where_the_sampler_does_not_use_it():
-  """Past 16 rows, on a mesh of several devices, for a bfloat16 model, in the scanned decode, or when
+  """Past 32 rows, on a mesh of several devices, for a bfloat16 model, in the scanned decode, or when
   asked not to: XLA's products (the custom call is not partitioned, and float32 only)."""
   model, *_ = _case()
-  assert Sampler(model).uses_cpu_rows(16) and Sampler(model).uses_cpu_rows(1)
-  assert not Sampler(model).uses_cpu_rows(32)
-  assert Sampler(model, cpu_rows_products=True).uses_cpu_rows(32)
+  assert Sampler(model).uses_cpu_rows(32) and Sampler(model).uses_cpu_rows(1)
+  assert not Sampler(model).uses_cpu_rows(33) and not Sampler(model).uses_cpu_rows(64)
+  assert Sampler(model, cpu_rows_products=True).uses_cpu_rows(64)
   assert not Sampler(model, cpu_rows_products=False).uses_cpu_rows(8)
   assert not Sampler(model, unrolled_decode=False).uses_cpu_rows(8)
   mesh = build_mesh(MeshConfig(2, 2, 2))

@@ -1,16 +1,18 @@
 """A product of a few rows on the CPU's cores at once: the decode step's matrix products on XLA:CPU.
 
-A decode step multiplies 1 to 16 rows by each weight: the product streams the weight once and does
-little arithmetic per byte.  XLA:CPU runs it on Eigen (or YNNPACK), split over its intra-op pool,
+A decode step multiplies a few rows (1 to 32 in the sampler's rule) by each weight: the product
+streams the weight once and does little arithmetic per byte.  XLA:CPU runs it on Eigen (or
+YNNPACK), split over its intra-op pool,
 whose helper thread starts 30-70 us after the caller (a futex wake; measured on a 2-core virtual
 machine, BUILD_NOTES "A decode step's products on both cores"), so such a product runs at about one
-core's rate.  :func:`rows_matmul` is an XLA FFI custom call (``rows_matmul.cc``) that splits the
-weight's column panels evenly between the calling thread and helpers that spin for 2 ms after each
-product, so both halves start at once.
+core's rate.  :func:`rows_matmul` is an XLA FFI custom call (``rows_matmul.cc``) whose calling
+thread and helper threads (which spin for 300 us after each product, then sleep) claim chunks of the
+weight's column panels from one counter, so all start at once and a late helper takes less.
 
 The weight is packed once into column panels (:func:`pack`, ``[K, N] -> [ceil(N / 16), K, 16]``),
-each panel one contiguous stream.  Inside a decode loop the packing of a loop-invariant weight is
-hoisted out of the loop by XLA; the sampler also keeps packed weights with its layer copy.
+each panel one contiguous stream.  Inside a decode loop the packing of a loop-invariant weight sits
+behind an optimization barrier, so that XLA hoists it out of the loop; the sampler also keeps packed
+weights with its layer copy.
 
 Each output element is one thread's fused multiply-adds over ``k`` in order, so results do not
 depend on the number of threads; they differ from XLA's products in the last bits (another

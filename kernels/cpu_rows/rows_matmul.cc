@@ -3,13 +3,14 @@
 //
 //   y[M, P * 16] = x[M, K] @ W,  W given packed as panels[P, K, 16] (panel p = columns 16p .. 16p + 15),
 //
-// Why: a decode step multiplies 1-16 rows by each weight, so a product streams the weight once and
+// Why: a decode step multiplies a few rows by each weight, so a product streams the weight once and
 // does little arithmetic per byte.  XLA:CPU splits such a product over its intra-op pool, whose
 // helper threads wake 30-70 us after the caller (a futex wake on a virtual machine), by which time
-// the caller has done most of the work alone.  Here the panels are split evenly between the caller
-// and helpers that spin for a while after each product, so both halves start at once; each panel
-// is one contiguous stream.  Every output element is summed by one thread in the same order (k
-// ascending, one fused multiply-add per k), so the result does not depend on the number of threads.
+// the caller has done most of the work alone.  Here the caller and helpers that spin for a while
+// after each product claim chunks of panels from one counter, so all start at once and a helper that
+// starts late takes less (or nothing); each panel is one contiguous stream.  Every output element is summed by one thread in the same order (k
+// ascending, one fused multiply-add per k), so the result does not depend on the number of threads
+// or on which thread took which chunk of panels.
 //
 // Built with the host's own vector width (-march=native) by mimo_jax.kernels.cpu_rows on first use.
 
@@ -114,7 +115,7 @@ int HostThreads() {
 class Pool {
  public:
   explicit Pool(int threads) : threads_(std::max(1, threads)) {
-    for (int i = 1; i < threads_; ++i) std::thread([this, i] { Helper(i); }).detach();
+    for (int i = 1; i < threads_; ++i) std::thread([this] { Helper(); }).detach();
   }
 
   int threads() const { return threads_; }
@@ -122,63 +123,90 @@ class Pool {
   void Run(const Product& t) {
     // One product at a time on the helpers; a concurrent caller (another device's program) runs alone.
     std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
-    const int parts = static_cast<int>(std::min<int64_t>(threads_, t.num_panels));
-    if (!lock.owns_lock() || parts <= 1) {
+    if (!lock.owns_lock() || threads_ == 1 || t.num_panels < 2) {
       RunPanels(t, 0, t.num_panels);
       return;
     }
-    product_ = t;
-    parts_ = parts;
-    // Every helper reports, those without panels too, so none can miss a product and none reads
-    // product_ or parts_ after the caller has moved on.
-    pending_.store(threads_ - 1, std::memory_order_relaxed);
-    generation_.fetch_add(1);  // publishes product_ and parts_
-    if (sleepers_.load() > 0) generation_.notify_all();
-    RunPanels(t, 0, Split(t.num_panels, parts, 1));
-    while (pending_.load(std::memory_order_acquire) != 0) CpuRelax();
+    x_.store(t.x, std::memory_order_relaxed);
+    panels_.store(t.panels, std::memory_order_relaxed);
+    y_.store(t.y, std::memory_order_relaxed);
+    rows_.store(t.rows, std::memory_order_relaxed);
+    k_.store(t.k, std::memory_order_relaxed);
+    num_panels_.store(t.num_panels, std::memory_order_relaxed);
+    chunk_.store(std::max<int64_t>(1, t.num_panels / (4 * threads_)), std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t gen = (work_.load(std::memory_order_relaxed) >> 32) + 1;
+    work_.store(gen << 32);  // publishes the product; its first panel is next
+    if (sleepers_.load() > 0) work_.notify_all();
+    Work(gen);  // the caller takes chunks too: a helper that starts late finds less or nothing left
+    while (done_.load(std::memory_order_acquire) != t.num_panels) CpuRelax();
   }
 
  private:
-  static int64_t Split(int64_t n, int parts, int i) { return n * i / parts; }
+  static constexpr uint64_t kPanelMask = 0xffffffffu;
 
-  void Helper(int index) {
-    uint32_t seen = 0;  // the pool is made before its first product
+  // Claims and runs chunks of product `gen` until none is left.  The work word holds the product's
+  // generation (high half) and its next unclaimed panel (low half): a claim is one compare-exchange,
+  // and one that succeeds proves that the product read just before it is still the current one (the
+  // caller publishes the next only after every panel of this one is done).
+  void Work(uint64_t gen) {
+    uint64_t w = work_.load(std::memory_order_acquire);
     for (;;) {
-      uint32_t now = Await(seen);
-      seen = now;
-      if (index < parts_) {
-        RunPanels(product_, Split(product_.num_panels, parts_, index), Split(product_.num_panels, parts_, index + 1));
+      if ((w >> 32) != (gen & kPanelMask)) return;
+      const Product t{x_.load(std::memory_order_relaxed),      panels_.load(std::memory_order_relaxed),
+                      y_.load(std::memory_order_relaxed),      rows_.load(std::memory_order_relaxed),
+                      k_.load(std::memory_order_relaxed),      num_panels_.load(std::memory_order_relaxed)};
+      const int64_t p0 = static_cast<int64_t>(w & kPanelMask);
+      if (p0 >= t.num_panels) return;
+      const int64_t p1 = std::min(p0 + chunk_.load(std::memory_order_relaxed), t.num_panels);
+      if (!work_.compare_exchange_weak(w, (w & ~kPanelMask) | static_cast<uint64_t>(p1), std::memory_order_acq_rel,
+                                       std::memory_order_acquire)) {
+        continue;
       }
-      pending_.fetch_sub(1, std::memory_order_release);
+      RunPanels(t, p0, p1);
+      done_.fetch_add(p1 - p0, std::memory_order_release);
+      w = work_.load(std::memory_order_acquire);
     }
   }
 
-  // Spins for kSpin after the last product (a decode step's products come tens of microseconds
-  // apart), then sleeps until the next.
-  uint32_t Await(uint32_t seen) {
+  void Helper() {
+    uint64_t seen = 0;  // the pool is made before its first product
+    for (;;) {
+      seen = Await(seen);
+      Work(seen);
+    }
+  }
+
+  // The next product's generation after `seen`.  Spins for kSpin after the last product (a decode
+  // step's products come tens of microseconds apart), then sleeps until the next.
+  uint64_t Await(uint64_t seen) {
     constexpr auto kSpin = std::chrono::microseconds(300);
     auto start = std::chrono::steady_clock::now();
     for (int i = 0;; ++i) {
-      uint32_t now = generation_.load(std::memory_order_acquire);
-      if (now != seen) return now;
+      const uint64_t gen = work_.load(std::memory_order_acquire) >> 32;
+      if (gen != seen) return gen;
       CpuRelax();
       if ((i & 255) == 255 && std::chrono::steady_clock::now() - start > kSpin) break;
     }
     for (;;) {
       sleepers_.fetch_add(1);
-      generation_.wait(seen);
+      const uint64_t w = work_.load();
+      if ((w >> 32) == seen) work_.wait(w);  // wakes on any change of the word: checked again below
       sleepers_.fetch_sub(1);
-      uint32_t now = generation_.load(std::memory_order_acquire);
-      if (now != seen) return now;
+      const uint64_t gen = work_.load(std::memory_order_acquire) >> 32;
+      if (gen != seen) return gen;
     }
   }
 
   const int threads_;
   std::mutex busy_;
-  Product product_{};
-  int parts_ = 0;
-  std::atomic<uint32_t> generation_{0};
-  std::atomic<int> pending_{0};
+  // The current product (written by the caller before it publishes the work word).
+  std::atomic<const float*> x_{nullptr};
+  std::atomic<const float*> panels_{nullptr};
+  std::atomic<float*> y_{nullptr};
+  std::atomic<int64_t> rows_{0}, k_{0}, num_panels_{0}, chunk_{1};
+  std::atomic<uint64_t> work_{0};
+  std::atomic<int64_t> done_{0};
   std::atomic<int> sleepers_{0};
 };
 

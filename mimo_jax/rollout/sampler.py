@@ -60,7 +60,7 @@ FUSED_DECODE_ROWS = (8, 16)
 YNN_DECODE_ROWS = (32, 64)
 # Rows per decode step whose products run on mimo_jax.kernels.cpu_rows on CPU (one device):
 # BUILD_NOTES, "A decode step's products on both cores".
-CPU_ROWS_DECODE_ROWS = (1, 16)
+CPU_ROWS_DECODE_ROWS = (1, 32)
 
 
 @flax.struct.dataclass
