@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TPU_COMPILE := $(VENV)/libtpu-compile
 TPU_STAMP := $(TPU_COMPILE)/.installed
 
-.PHONY: setup run test tpu-compile browser lint format clean
+.PHONY: setup run test tpu-compile browser compiler lint format clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -35,9 +35,17 @@ browser:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver; \
 	fi
 
+# A C++ compiler for mimo_jax.kernels.cpu_rows, which is compiled on first use (the tests build it;
+# installed where missing, as root or with sudo).
+compiler:
+	@if ! command -v "$${CXX:-g++}" >/dev/null 2>&1 && ! command -v c++ >/dev/null 2>&1; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq g++; \
+	fi
+
 # --capture=sys: Python output is captured per test as usual, but what C++ writes to the process's
 # stderr (XLA's fatal errors and its stuck-collective warnings) reaches the log even if the process aborts.
-test: $(STAMP) $(TPU_STAMP) browser
+test: $(STAMP) $(TPU_STAMP) browser compiler
 	$(PY) -m pytest -q --durations=25 --capture=sys
 
 lint: $(STAMP)

@@ -161,7 +161,9 @@ class Sampler:
       while the parameters stay unchanged.  Calls that fuse their projections
       (:meth:`fuses_projections`) also keep each layer's concatenated q|k|v and gate|up
       weights, made at the first such call (on CPU, :data:`FUSED_DECODE_ROWS` rows per batch shard:
-      a second copy of those weights, which a call would otherwise build every time).  Off in
+      a second copy of those weights, which a call would otherwise build every time); calls whose
+      decode runs on :mod:`~mimo_jax.kernels.cpu_rows` (:meth:`uses_cpu_rows`) keep every layer
+      weight and the unembedding packed for it instead (:meth:`Transformer.decode_weights`).  Off in
       training, where the weights change every step and the copy would be held through the
       update.  Needs ``unrolled_decode``.
     share_prompt_cache: keep a prompt's keys and values once for its ``num_samples`` rows
@@ -201,10 +203,10 @@ class Sampler:
     self._graphdef, self._state = nnx.split(model)
     # (the parameter leaves it was made from, the per-layer weights); None until needed.
     self._layer_copy: tuple[list, tuple[nnx.State, ...]] | None = None
-    # Each layer's concatenated q|k|v and gate|up weights, made from the kept copy for calls
-    # that fuse their projections; None until needed, dropped with the copy.
-    # Under True: Transformer.decode_weights (the layers' and the unembedding's weights packed for
-    # cpu_rows); under False: (Decoder.fused_projection_weights, None).
+    # The weights kept for calls that fuse their projections, made from the kept copy when first
+    # needed and dropped with it.  Under True (a decode on cpu_rows): Transformer.decode_weights, the
+    # layers' and the unembedding's weights packed; under False: each layer's concatenated q|k|v and
+    # gate|up weights (Decoder.fused_projection_weights), and None.
     self._fused_copy: dict[bool, tuple] = {}
     # One jitted generate per set of compiler options (see generate_program).
     self._generate_programs: dict[tuple, Callable] = {}
