@@ -430,7 +430,8 @@ def test_generate_benchmark_alternates_with_transformers_on_identical_weights(tm
   for r in records:
     assert r["model"] == "tunix" and r["greedy_token_agreement_with_hf"] == 1.0
     assert r["layer_copy"] == "kept"  # the default: rollout.generate's sampler
-    assert not r["fused_projections"] and not r["ynn_dots"]  # 1 and 3 rows: outside both ranges
+    # 1 and 3 rows on one CPU device: the decode's products on cpu_rows, which fuses them; not YNNPACK's.
+    assert r["cpu_rows_products"] and r["fused_projections"] and not r["ynn_dots"]
     # A decode step reads every weight but the embedding table (untied: 2 layers of d 64, MLP 128, 8 / 4 heads of
     # 16, the final norm and a [64, 512] head) and all 8 + 5 slots of both caches, in float32.
     layer = 64 * 8 * 16 + 2 * 64 * 4 * 16 + 8 * 16 * 64 + 3 * 64 * 128 + 2 * 64
