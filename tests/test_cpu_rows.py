@@ -152,7 +152,22 @@ def test_switched_off_or_unbuildable_it_says_why_and_generation_keeps_xla_produc
   assert off[0] == "False False" and off[1] == f"{cpu_rows.ENABLE_ENV}=0" and off[2] == "(1, 3)"
   broken = _in_subprocess(code, {"CXX": "false", cpu_rows.CACHE_ENV: str(tmp_path)}).splitlines()
   assert broken[0] == "False False" and "compiling rows_matmul.cc failed" in broken[1]
-  assert not list((tmp_path / "cpu_rows").glob("*.so"))  # nothing half-written is left to load
+  assert not list((tmp_path / "cpu_rows").glob("*.so*"))  # nothing half-written is left to load
+
+
+def test_a_fresh_cache_builds_the_library_once(tmp_path):
+  """An empty cache directory (a new machine): the first use compiles the library there, and the next
+  process loads that file instead of compiling again."""
+  code = """
+    import os
+    from mimo_jax.kernels import cpu_rows
+    print(cpu_rows.available(), cpu_rows._library_path(), os.path.getmtime(cpu_rows._library_path()))
+  """
+  env = {cpu_rows.CACHE_ENV: str(tmp_path)}
+  first = _in_subprocess(code, env).split()
+  assert first[0] == "True" and first[1].startswith(str(tmp_path / "cpu_rows"))
+  assert _in_subprocess(code, env).split() == first  # the same file, not rebuilt
+  assert [p.name for p in (tmp_path / "cpu_rows").glob("*.so*")] == [os.path.basename(first[1])]
 
 
 def _case(seed=5, prompts=((5, 6, 7, 8), (9, 10), (11, 12, 13), (14,)), samples=2):
