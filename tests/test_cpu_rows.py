@@ -155,6 +155,21 @@ def test_switched_off_or_unbuildable_it_says_why_and_generation_keeps_xla_produc
   assert not list((tmp_path / "cpu_rows").glob("*.so*"))  # nothing half-written is left to load
 
 
+def test_unreadable_switches_are_refused_with_the_allowed_values():
+  code = """
+    from mimo_jax.kernels import cpu_rows
+    try:
+      cpu_rows.available()
+    except ValueError as e:
+      print(e)
+  """
+  out = _in_subprocess(code, {cpu_rows.ENABLE_ENV: "maybe"})
+  assert "MIMO_JAX_CPU_ROWS='maybe': expected one of 1, true, yes, on, 0, false, no, off" in out
+  for bad in ("0", "two", "-1"):
+    out = _in_subprocess(code, {cpu_rows.THREADS_ENV: bad})
+    assert f"MIMO_JAX_CPU_ROWS_THREADS='{bad}': expected a positive integer" in out
+
+
 def test_a_fresh_cache_builds_the_library_once(tmp_path):
   """An empty cache directory (a new machine): the first use compiles the library there, and the next
   process loads that file instead of compiling again."""

@@ -56,6 +56,7 @@ THREADS_ENV = "MIMO_JAX_CPU_ROWS_THREADS"
 CACHE_ENV = "MIMO_JAX_CACHE_DIR"
 TARGET = "mimo_rows_matmul_f32"
 _OFF = ("0", "false", "no", "off")
+_ON = ("", "1", "true", "yes", "on")
 
 
 def _cache_dir() -> Path:
@@ -126,8 +127,16 @@ _lock = threading.Lock()
 
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
-  """(the loaded and registered library, None) or (None, why not)."""
-  if os.environ.get(ENABLE_ENV, "").strip().lower() in _OFF:
+  """(the loaded and registered library, None) or (None, why not).
+
+  Raises ValueError for a value of ``MIMO_JAX_CPU_ROWS`` or ``MIMO_JAX_CPU_ROWS_THREADS`` it cannot read."""
+  switch = os.environ.get(ENABLE_ENV, "").strip().lower()
+  if switch not in _OFF + _ON:
+    raise ValueError(f"{ENABLE_ENV}={os.environ[ENABLE_ENV]!r}: expected one of {', '.join(_ON[1:] + _OFF)} (or unset)")
+  threads_env = os.environ.get(THREADS_ENV, "").strip()
+  if threads_env and not (threads_env.isdigit() and int(threads_env) > 0):
+    raise ValueError(f"{THREADS_ENV}={os.environ[THREADS_ENV]!r}: expected a positive integer (or unset)")
+  if switch in _OFF:
     return None, f"{ENABLE_ENV}={os.environ[ENABLE_ENV]}"
   if platform.system() != "Linux":
     return None, f"built and tested on Linux only (this is {platform.system()})"
