@@ -4,12 +4,14 @@ Oracles: numpy's float64 product; the same product on one thread (another proces
 independence from the thread count; XLA's products for the sampler's tokens and log-probs.
 """
 
+import functools
 import os
 import subprocess
 import sys
 import textwrap
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -246,15 +248,48 @@ def test_the_kept_copy_holds_packed_weights_made_once():
   np.testing.assert_array_equal(sampler.generate(tokens, mask, **kw).completion_tokens, want.completion_tokens)
 
 
+def _while_bodies(jaxpr):
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "while":
+      yield eqn.params["body_jaxpr"].jaxpr
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _while_bodies(sub)
+
+
+def test_without_the_kept_copy_the_weights_are_packed_once_before_the_loop():
+  """No kept copy: the generate program packs each weight once, outside the decode loop, whose every
+  product is the custom call; the loop body moves no weight into panels."""
+  model, tokens, mask, kw = _case()
+  cfg = model.config
+  sampler = Sampler(model)
+  assert sampler.uses_cpu_rows(8)
+  B = tokens.shape[0] * kw["num_samples"]
+  args = (jnp.asarray(tokens), jnp.asarray(mask), jnp.zeros((B,)), jax.random.key(0), jnp.int32(10))
+  static = dict(num_samples=kw["num_samples"], max_len=kw["max_len"], sampling=kw["sampling"])
+  closed = jax.make_jaxpr(functools.partial(sampler._generate_impl, **static))(sampler._state, None, *args)
+  (body,) = [b for b in _while_bodies(closed.jaxpr) if any("ffi" in e.primitive.name for e in b.eqns)]
+  calls = [e for e in body.eqns if "ffi" in e.primitive.name]
+  assert len(calls) == 4 * cfg.num_layers + 1
+
+  def packs(eqns):  # cpu_rows.pack: [K, P, 16] -> [P, K, 16]
+    return [e for e in eqns if e.primitive.name == "transpose" and e.params["permutation"] == (1, 0, 2)]
+
+  assert packs(body.eqns) == []
+  assert len(packs(closed.jaxpr.eqns)) == 4 * cfg.num_layers + 1
+
+
 def test_where_the_sampler_does_not_use_it():
-  """Past 32 rows, on a mesh of several devices, for a bfloat16 model, in the scanned decode, or when
-  asked not to: XLA's products (the custom call is not partitioned, and float32 only)."""
+  """Past 32 rows, on a mesh of several devices, for a bfloat16 model, in the scanned decode, with
+  separate projections, or when asked not to: XLA's products (the custom call is not partitioned, and float32 only)."""
   model, *_ = _case()
   assert Sampler(model).uses_cpu_rows(32) and Sampler(model).uses_cpu_rows(1)
   assert not Sampler(model).uses_cpu_rows(33) and not Sampler(model).uses_cpu_rows(64)
   assert Sampler(model, cpu_rows_products=True).uses_cpu_rows(64)
   assert not Sampler(model, cpu_rows_products=False).uses_cpu_rows(8)
   assert not Sampler(model, unrolled_decode=False).uses_cpu_rows(8)
+  assert not Sampler(model, fuse_projections=False).uses_cpu_rows(8)
+  with pytest.raises(ValueError, match="cpu_rows_products=True needs fuse_projections"):
+    Sampler(model, cpu_rows_products=True, fuse_projections=False)
   mesh = build_mesh(MeshConfig(2, 2, 2))
   assert not Sampler(model, mesh=mesh).uses_cpu_rows(16)
   one = build_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1])

@@ -10,9 +10,9 @@ thread and helper threads (which spin for 300 us after each product, then sleep)
 weight's column panels from one counter, so all start at once and a late helper takes less.
 
 The weight is packed once into column panels (:func:`pack`, ``[K, N] -> [ceil(N / 16), K, 16]``),
-each panel one contiguous stream.  Inside a decode loop the packing of a loop-invariant weight sits
-behind an optimization barrier, so that XLA hoists it out of the loop; the sampler also keeps packed
-weights with its layer copy.
+each panel one contiguous stream.  The sampler packs a call's weights once, before its decode loop
+(``Transformer.decode_weights``), or keeps them packed with its layer copy; ``project`` in
+``mimo_jax.models.transformer`` multiplies by a packed weight (:class:`Panels`) on the kernel.
 
 Each output element is one thread's fused multiply-adds over ``k`` in order, so results do not
 depend on the number of threads; they differ from XLA's products in the last bits (another
@@ -28,7 +28,6 @@ sets the number of threads (default: the cores this process may run on).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import fcntl
@@ -45,7 +44,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -237,30 +235,3 @@ def reference(x: jax.Array, panels: jax.Array, n: int | None = None) -> jax.Arra
   w = jnp.transpose(panels, (1, 0, 2)).reshape(panels.shape[1], -1)
   y = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
   return y if n is None else y[:, :n]
-
-
-# ---------------------------------------------------------------------------- where it is used
-
-_ROWS = threading.local()
-
-
-@contextlib.contextmanager
-def for_products(max_rows: int):
-  """While tracing inside this context, :func:`wanted` is true for products of up to ``max_rows`` rows.
-
-  The sampler traces its decode step inside it (``models.transformer.project`` asks :func:`wanted`):
-  a switch at trace time, with no effect on a program already compiled.
-  """
-  previous = getattr(_ROWS, "max_rows", 0)
-  _ROWS.max_rows = max_rows
-  try:
-    yield
-  finally:
-    _ROWS.max_rows = previous
-
-
-def wanted(rows: int, *dtypes) -> bool:
-  """Whether a product of ``rows`` rows traced now should run on :func:`rows_matmul` (inside
-  :func:`for_products`, float32 operands, the library available)."""
-  max_rows = getattr(_ROWS, "max_rows", 0)
-  return 0 < rows <= max_rows and all(np.dtype(d) == np.float32 for d in dtypes) and available()

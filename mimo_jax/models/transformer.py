@@ -57,14 +57,7 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1, preferred_element_typ
     raise ValueError(f"project: x {x.shape} and w {w.shape} disagree on the {contract} contracted dims")
   out = w.shape[contract:]
   x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
-  if preferred_element_type in (None, jnp.float32) and cpu_rows.wanted(x2.shape[0], x.dtype, w.dtype):
-    # A decode step's few rows (traced inside cpu_rows.for_products): the weight packed into column
-    # panels and streamed on all cores at once.  The barrier lets XLA hoist the packing of a
-    # loop-invariant weight out of a decode loop (a bare transpose it leaves inside, every step).
-    y = cpu_rows.rows_matmul(x2, jax.lax.optimization_barrier(cpu_rows.pack(w2)), w2.shape[1])
-  else:
-    y = jnp.dot(x2, w2, preferred_element_type=preferred_element_type)
-  return y.reshape(*lead, *out)
+  return jnp.dot(x2, w2, preferred_element_type=preferred_element_type).reshape(*lead, *out)
 
 
 # ----------------------------------------------------------------------------

@@ -185,11 +185,17 @@ class Sampler:
     cpu_rows_products: run the decode step's matrix products on :mod:`mimo_jax.kernels.cpu_rows`
       (the weights packed once per call, split over all cores without a thread hand-off's delay).
       None (default): on CPU with one device, the unrolled decode and :data:`CPU_ROWS_DECODE_ROWS`
-      rows, where the library builds (see :meth:`uses_cpu_rows`); False: never; True: wherever it
-      can run (one CPU device, the unrolled decode).
+      rows, where the library builds (see :meth:`uses_cpu_rows`); False: never (and under
+      ``fuse_projections=False``); True: wherever it can run (one CPU device, the unrolled decode).
+      The weights are packed once per call before the decode loop (:meth:`Transformer.decode_weights`),
+      or kept packed with ``keep_layer_copy``.
     """
     if keep_layer_copy and not unrolled_decode:
       raise ValueError("keep_layer_copy=True needs unrolled_decode=True (the scanned decode reads the stacked weights)")
+    if cpu_rows_products and fuse_projections is False:
+      raise ValueError(
+        "cpu_rows_products=True needs fuse_projections=None or True (its packed weights are q|k|v and gate|up side by side)"
+      )
     self.config = model.config
     self.mesh = mesh
     self.rules = rules
@@ -295,10 +301,11 @@ class Sampler:
     """Whether a decode step over ``rows`` rows runs its products on :mod:`mimo_jax.kernels.cpu_rows`.
 
     Measured on XLA:CPU (BUILD_NOTES, "A decode step's products on both cores").  Only on one CPU
-    device (the custom call is not partitioned over a mesh) and in the unrolled decode (whose
-    weights are loop-invariant, so the packing runs once per call).
+    device (the custom call is not partitioned over a mesh), in the unrolled decode (whose
+    weights are loop-invariant, so the packing runs once per call) and with fused projections (the
+    packed weights hold q|k|v and gate|up side by side).
     """
-    if self.cpu_rows_products is False or not self.unrolled_decode:
+    if self.cpu_rows_products is False or not self.unrolled_decode or self.fuse_projections is False:
       return False
     if sharding.mesh_platform(self.mesh) != "cpu" or (self.mesh is not None and self.mesh.size != 1):
       return False
@@ -400,6 +407,10 @@ class Sampler:
       # place by every decode step.
       if layers is None and self.unrolled_decode:
         layers = model.decoder.layer_states()
+      # A decode on cpu_rows without the kept packed copy packs its weights here, once per call,
+      # outside the loop (the prefill above ran on the plain ones).
+      if self.uses_cpu_rows(B) and unembedding is None:
+        fused_layers, unembedding = model.decode_weights(layers)
       # Left padding: the last slot is the last real token. Unembed only that position
       # (the full [Np, P, V] logits would cost P times the head's FLOPs for nothing).
       last_logits = model.logits_from_hidden(hidden[:, -1:])[:, 0]
@@ -438,17 +449,16 @@ class Sampler:
 
       def body(c):
         t, cache, tok, active, next_pos, done, tokens, logps, slogps, stopped = c
-        with cpu_rows.for_products(B if self.uses_cpu_rows(B) else 0):
-          logits, cache = model(
-            tok[:, None],
-            attention_mask=active[:, None],
-            positions=next_pos[:, None],
-            cache=_constrain_cache(cache),
-            layers=layers,
-            fuse_projections=self.fuses_projections(B),
-            fused_weights=fused_layers,
-            unembedding=unembedding,
-          )
+        logits, cache = model(
+          tok[:, None],
+          attention_mask=active[:, None],
+          positions=next_pos[:, None],
+          cache=_constrain_cache(cache),
+          layers=layers,
+          fuse_projections=self.fuses_projections(B),
+          fused_weights=fused_layers,
+          unembedding=unembedding,
+        )
         logits = sharding.constrain(logits[:, 0], ("batch", "vocab"))
         tok, active, done, tokens, logps, slogps, stopped = sample(t, logits, done, tokens, logps, slogps, stopped)
         return (t + 1, cache, tok, active, next_pos + 1, done, tokens, logps, slogps, stopped)
