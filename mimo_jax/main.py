@@ -244,14 +244,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mimo_jax.sharding import initialize_distributed
 
     initialize_distributed(cfg.mesh)  # multi-host pods: before any device is touched
-    num_devices = jax.device_count()
     if cfg.run.dry_run_topology:  # compiled for a named pod or node, not for this host's devices
       from mimo_jax.topology import parse_topology
 
       topo = parse_topology(cfg.run.dry_run_topology)
+      # The node's GPUs, stood in for by CPU devices: set before the CPU backend starts (the device count
+      # below would start it with the host's own count).
       if topo.platform == "gpu" and jax.config.jax_num_cpu_devices < topo.devices:
-        jax.config.update("jax_num_cpu_devices", topo.devices)  # the node's GPUs, stood in for by CPU devices
+        jax.config.update("jax_num_cpu_devices", topo.devices)
       num_devices = topo.devices
+    else:
+      num_devices = jax.device_count()
     validate(cfg, num_devices)
     from mimo_jax.rewards.task_rewards import check_reward_flags
 
