@@ -129,12 +129,20 @@ def libtpu_compile_dir() -> str:
 
 
 def _find_libtpu() -> None:
-  """Points JAX at the compile-only libtpu when no ``libtpu`` package is installed."""
-  if os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu") is not None:
-    return
+  """Points JAX at the compile-only libtpu when no ``libtpu`` package is installed.
+
+  That copy drives no TPU, so several processes may load it at once (dry runs side by side, a test
+  suite beside a dry run): libtpu's one-process lock (``/tmp/libtpu_lockfile``), which keeps a second
+  process off a TPU host's chips, is waived for it (``ALLOW_MULTIPLE_LIBTPU_LOAD``).
+  """
   path = os.path.join(libtpu_compile_dir(), "libtpu", "libtpu.so")
+  if os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu") is not None:
+    if os.environ.get("TPU_LIBRARY_PATH") == path:
+      os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    return
   if os.path.isfile(path):
     os.environ["TPU_LIBRARY_PATH"] = path
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def topology_devices(topo: Topology) -> list:
