@@ -125,6 +125,45 @@ def test_the_compilers_out_of_memory_refusal_is_read():
   assert "temp_gib" not in _compiler_refusal("RESOURCE_EXHAUSTED: something else")
 
 
+def test_two_processes_compile_for_a_tpu_slice_at_once():
+  """The compile-only libtpu drives no chip, so a second process (a dry run beside another, or beside
+  this test suite) loads it too: libtpu's one-process lock is waived for that copy."""
+  import subprocess
+  import sys
+
+  code = (
+    "import sys\nfrom mimo_jax.topology import parse_topology, topology_devices\n"
+    "print('devices', len(topology_devices(parse_topology('v5e-4'))), flush=True)\nsys.stdin.read()\n"
+  )
+  env = {k: v for k, v in os.environ.items() if k not in ("TPU_LIBRARY_PATH", "ALLOW_MULTIPLE_LIBTPU_LOAD")}
+  first = subprocess.Popen(
+    [sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+  )
+  try:
+    assert first.stdout.readline().decode() == "devices 4\n"  # it holds libtpu until its stdin closes
+    second = subprocess.run([sys.executable, "-c", code], env=env, input="", capture_output=True, text=True)
+    assert second.returncode == 0 and second.stdout == "devices 4\n", second.stderr[-1500:]
+  finally:
+    first.stdin.close()
+    first.wait(timeout=60)
+
+
+def test_a_gpu_node_from_the_command_line_on_a_one_device_host(tmp_path):
+  """The CLI on a host with one CPU device (not the tests' 8): the node's 8 stand-in devices are set
+  before the CPU backend starts (once it has, JAX refuses the change)."""
+  import subprocess
+  import sys
+
+  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  argv = [f"--flagfile={FLAGS}/grpo_tiny.flags", "--model_preset=tiny", "--dry_run"]
+  argv += ["--dry_run_topology=gpu-8x80gb", f"--run_dir={tmp_path}"]
+  out = subprocess.run([sys.executable, "-m", "mimo_jax.main", *argv], env=env, capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "fits gpu-8x80gb" in out.stdout
+  report = json.load(open(tmp_path / "dry_run.json"))
+  assert report["devices"] == 8 and report["platform"] == "gpu" and report["mesh"]["fsdp"] == 8
+
+
 def test_a_gpu_node_is_compiled_by_the_cpu_compiler_with_the_caveat_stated(tmp_path, capsys):
   from mimo_jax.train.dry_run import dry_run
 
