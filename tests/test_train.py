@@ -715,6 +715,41 @@ def test_shared_prompts_give_the_per_row_log_probs_and_update_with_less_work():
   assert prompt_group(with_algo(share_prompts=False)) == 1
 
 
+def test_the_shipped_pod_presets_share_prompts_on_their_meshes_or_say_which_flag_would():
+  """The learner runs each prompt once on the meshes the presets name (the 13B flagfile: v5p-128, fsdp 16
+  x tensor 4; the 1B: one 8-GPU host; the 7B: 8 and 16 devices, tensor 2); where a mesh's batch shards
+  cannot hold whole groups, the note says so and names the --grad_accum that would share."""
+  from jax.sharding import AbstractMesh
+
+  from mimo_jax.train.learner import prompt_group, prompt_sharing_note
+
+  def on(flags, data_fsdp_tensor, *extra):
+    cfg = parse_config(["prog", f"--flagfile={os.path.join(ROOT, 'experiments', flags)}", *extra])
+    mesh = AbstractMesh(data_fsdp_tensor, ("data", "fsdp", "tensor"))
+    return prompt_group(cfg, mesh), prompt_sharing_note(cfg, mesh)
+
+  assert on("grpo_13b.flags", (1, 16, 4)) == (8, None)
+  assert on("grpo_1b.flags", (1, 8, 1)) == (8, None)
+  assert on("grpo_7b.flags", (1, 4, 2)) == (8, None) == on("grpo_7b.flags", (1, 8, 2))
+  group, note = on("grpo_13b.flags", (1, 16, 4), "--grad_accum=4")
+  assert group == 1 and note.startswith("the learner runs every row's own prompt: its micro-batches of 32 rows")
+  assert "(4 groups of 8) do not split into whole groups over the 16 batch shards" in note
+  assert note.endswith(
+    "--grad_accum=1 would run each prompt once (micro-batches of 128 rows: more activation memory, see --dry_run_topology)"
+  )
+  assert on("grpo_1b.flags", (1, 8, 1), "--grad_accum=4")[1].endswith(
+    "--grad_accum=2 would run each prompt once (micro-batches of 64 rows: more activation memory, see --dry_run_topology)"
+  )
+  group, note = on("grpo_13b.flags", (1, 32, 4))
+  assert group == 1 and note.endswith(
+    "no smaller --grad_accum would: fewer --num_minibatches or more --prompts_per_step would"
+  )
+  assert "micro-batches of 128 rows (16 groups of 8) do not split into whole groups over the 32 batch shards" in note
+  # Nothing to share: one sample per prompt, or sharing turned off.
+  assert on("grpo_13b.flags", (1, 32, 4), "--num_samples=1")[1] is None
+  assert on("grpo_13b.flags", (1, 32, 4), "--noshare_prompts")[1] is None
+
+
 def test_the_samplers_behaviour_logprobs_stand_in_for_the_learners_behaviour_pass(tmp_path):
   """--behaviour_logprobs=sampler (what auto picks in synchronous runs): one forward pass fewer, the same update."""
   import dataclasses

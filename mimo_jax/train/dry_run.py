@@ -45,6 +45,8 @@ from mimo_jax.train.learner import (
   abstract_experience,
   build_learner,
   init_controller_state,
+  prompt_group,
+  prompt_sharing_note,
   uses_kl,
 )
 
@@ -252,6 +254,9 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
     "mesh": dict(mesh.shape),
     "rollout_mesh": dict(rollout_mesh.shape) if rollout_mesh is not None else None,
     "rollout_batch": [B, P, M],
+    # Rows per prompt run once in the learner's passes (1: every row runs its own), and why not when not.
+    "learner_prompt_group": prompt_group(cfg, mesh),
+    "learner_prompt_sharing": prompt_sharing_note(cfg, mesh),
     "per_device_bytes": storage,
     "per_device_gib": {k: v / GiB for k, v in storage.items()},
   }
@@ -442,6 +447,12 @@ def _json_default(o: Any) -> Any:
 def _print_report(report: dict[str, Any]) -> None:
   print(f"dry run: {report['model']} ({report['params'] / 1e9:.2f}B params) on mesh {report['mesh']}")
   print(f"rollout batch [rows, prompt, completion] = {report['rollout_batch']}")
+  group = report["learner_prompt_group"]
+  print(
+    f"learner: each prompt run once for its {group} rows" if group > 1 else "learner: every row runs its own prompt"
+  )
+  if report.get("learner_prompt_sharing"):
+    print(f"note: {report['learner_prompt_sharing']}")
   print("per-device storage (GiB):")
   for k, v in report["per_device_gib"].items():
     print(f"  {k:>18}: {v:8.3f}")

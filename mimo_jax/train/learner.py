@@ -197,6 +197,35 @@ def prompt_group(cfg: Config, mesh: Mesh | None = None) -> int:
   return N
 
 
+def prompt_sharing_note(cfg: Config, mesh: Mesh | None = None) -> str | None:
+  """Why the learner runs every row's own prompt although its rows come in groups that share one, and
+  the ``--grad_accum`` that would run each prompt once; None when it does (or there is nothing to
+  share: ``--share_prompts`` off, one sample per prompt, one new token)."""
+  a, N = cfg.algo, cfg.rollout.num_samples
+  if not a.share_prompts or N < 2 or cfg.rollout.max_new_tokens < 2 or prompt_group(cfg, mesh) > 1:
+    return None
+  minibatch = cfg.data.prompts_per_step * N // a.num_minibatches
+  micro = minibatch // a.grad_accum
+  shards = 1 if mesh is None else mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+  if micro % N:
+    why = f"its micro-batches of {micro} rows do not hold whole groups of --num_samples={N}"
+  else:
+    why = f"its micro-batches of {micro} rows ({micro // N} groups of {N}) do not split into whole groups over the {shards} batch shards"
+  why = (
+    f"the learner runs every row's own prompt: {why} (micro-batch = --prompts_per_step x --num_samples / "
+    f"(--num_minibatches x --grad_accum))"
+  )
+  for g in range(a.grad_accum - 1, 0, -1):
+    if minibatch % g or (minibatch // g) % shards:
+      continue
+    if prompt_group(dataclasses.replace(cfg, algo=dataclasses.replace(a, grad_accum=g)), mesh) > 1:
+      return (
+        f"{why}; --grad_accum={g} would run each prompt once (micro-batches of {minibatch // g} rows: more "
+        f"activation memory, see --dry_run_topology)"
+      )
+  return f"{why}; no smaller --grad_accum would: fewer --num_minibatches or more --prompts_per_step would"
+
+
 def advantage_settings(cfg: Config) -> AdvantageSettings:
   a = cfg.algo
   return AdvantageSettings(

@@ -61,6 +61,7 @@ from mimo_jax.train.learner import (
   compile_ahead,
   init_controller_state,
   place_experience,
+  prompt_sharing_note,
   uses_kl,
 )
 from mimo_jax.train.logger import MetricsLogger, device_memory, format_progress, histogram_quantiles
@@ -313,6 +314,8 @@ class RLRun:
       value_model = create_sharded(lambda: ValueModel(self.model_cfg, rngs=nnx.Rngs(0)), self.mesh)
       self.value_graphdef, self._value_init_params = nnx.split(value_model)
     self.learner = build_learner(cfg, self.mesh, self.graphdef, self.value_graphdef)
+    if note := prompt_sharing_note(cfg, self.mesh):
+      logging.warning(note)
     self.rl_tx, self.lr_schedule = self.learner.tx, self.learner.schedule
     # ---- failure-shape alarms over the logged records (state checkpointed with the run)
     self.alarms = Alarms(alarm_settings(cfg.logging))
