@@ -44,6 +44,7 @@ from mimo_jax.train.learner import (
   LearnerState,
   abstract_experience,
   build_learner,
+  grad_accum_choices,
   init_controller_state,
   prompt_group,
   prompt_sharing_note,
@@ -411,7 +412,7 @@ def _fit(cfg: Config, topo: Topology, report: dict[str, Any]) -> dict[str, Any]:
     shards = report["mesh"]["data"] * report["mesh"]["fsdp"]
     # Activations shrink with the micro-batch: the smallest valid --grad_accum whose share fits.
     need_factor = temp / max(temp - over, 1e-9) if temp > over else math.inf
-    valid = [a for a in range(g + 1, minibatch + 1) if minibatch % a == 0 and (minibatch // a) % shards == 0]
+    valid = [a for a in grad_accum_choices(cfg, shards) if a > g]
     fitting = [a for a in valid if a / g >= need_factor]
     if fitting:
       advice = (

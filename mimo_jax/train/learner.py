@@ -197,6 +197,13 @@ def prompt_group(cfg: Config, mesh: Mesh | None = None) -> int:
   return N
 
 
+def grad_accum_choices(cfg: Config, batch_shards: int) -> list[int]:
+  """The ``--grad_accum`` values valid on ``batch_shards`` batch shards, ascending: those that divide the
+  minibatch into micro-batches that split evenly over the shards (``config.validate``'s rule)."""
+  minibatch = cfg.data.prompts_per_step * cfg.rollout.num_samples // cfg.algo.num_minibatches
+  return [g for g in range(1, minibatch + 1) if minibatch % g == 0 and (minibatch // g) % batch_shards == 0]
+
+
 def prompt_sharing_note(cfg: Config, mesh: Mesh | None = None) -> str | None:
   """Why the learner runs every row's own prompt although its rows come in groups that share one, and
   the ``--grad_accum`` that would run each prompt once; None when it does (or there is nothing to
@@ -215,9 +222,7 @@ def prompt_sharing_note(cfg: Config, mesh: Mesh | None = None) -> str | None:
     f"the learner runs every row's own prompt: {why} (micro-batch = --prompts_per_step x --num_samples / "
     f"(--num_minibatches x --grad_accum))"
   )
-  for g in range(a.grad_accum - 1, 0, -1):
-    if minibatch % g or (minibatch // g) % shards:
-      continue
+  for g in reversed([c for c in grad_accum_choices(cfg, shards) if c < a.grad_accum]):
     if prompt_group(dataclasses.replace(cfg, algo=dataclasses.replace(a, grad_accum=g)), mesh) > 1:
       return (
         f"{why}; --grad_accum={g} would run each prompt once (micro-batches of {minibatch // g} rows: more "
