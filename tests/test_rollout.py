@@ -13,7 +13,7 @@ from flax import nnx
 from mimo_jax.models import KVCache, Transformer, create_sharded, load_hf
 from mimo_jax.models.config import tiny
 from mimo_jax.rollout import FINISH_LENGTH, FINISH_STOP, Sampler, SamplingParams, generate, left_pad
-from mimo_jax.rollout.sampling import sample_tokens, truncate_logits
+from mimo_jax.rollout.sampling import _inverse_cdf_sample, limit_vocab, sample_tokens, truncate_logits
 from mimo_jax.sharding import MeshConfig, build_mesh
 from mimo_jax.testing import count_compilations, save_random_hf_model
 
@@ -766,6 +766,44 @@ def test_greedy_rows_are_deterministic_with_plain_logprobs():
   np.testing.assert_array_equal(tok, [1, 1])
   np.testing.assert_allclose(lp, jax.nn.log_softmax(logits)[:, 1], rtol=1e-6)
   np.testing.assert_array_equal(slp, 0.0)
+
+
+@pytest.mark.parametrize(
+  "kw", [{}, {"top_k": 5}, {"top_p": 0.9}, {"vocab_limit": 29}, {"top_k": 4, "top_p": 0.8, "vocab_limit": 31}]
+)
+@pytest.mark.parametrize("rows", ["greedy", "sampled", "mixed"])
+def test_sample_tokens_equals_the_plain_argmax_and_log_softmax(kw, rows):
+  # The oracle is the plain form: the argmax and the full [B, V] log-softmax, for every row.
+  B, V = 24, 32
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(B, V)).astype(np.float32) * 3
+  x[1, 3] = np.nan  # argmax takes the first NaN
+  x[2] = -np.inf  # every id equally (im)possible: the first
+  x[4, [1, 5]] = x[4].max() + 1  # a tie: the first
+  temps = {"greedy": np.zeros(B), "sampled": np.full(B, 0.7), "mixed": (rng.uniform(size=B) < 0.5) * 1.3}[rows]
+  temps = jnp.asarray(temps, jnp.float32)
+  keys = jax.random.split(jax.random.key(0), B)
+  tok, lp, slp = jax.jit(lambda x, k, t: sample_tokens(x, k, t, **kw))(jnp.asarray(x), keys, temps)
+
+  def plain(x, k, t):
+    greedy = t <= 0
+    scaled = x / jnp.where(greedy, 1.0, t)[:, None]
+    limit = kw.get("vocab_limit", 0)
+    truncated = truncate_logits(limit_vocab(scaled, limit), top_k=kw.get("top_k", 0), top_p=kw.get("top_p", 1.0))
+    tok = jnp.where(greedy, jnp.argmax(limit_vocab(x, limit), axis=-1), _inverse_cdf_sample(k, truncated))
+    at = lambda a: jnp.take_along_axis(a, tok[:, None], axis=-1)[:, 0]  # noqa: E731
+    return tok, at(jax.nn.log_softmax(scaled)), jnp.where(greedy, 0.0, at(jax.nn.log_softmax(truncated)))
+
+  ref_tok, ref_lp, ref_slp = jax.jit(plain)(jnp.asarray(x), keys, temps)
+  np.testing.assert_array_equal(np.asarray(tok), np.asarray(ref_tok))
+  # The same formula; XLA may sum a row's exponentials in another order (a last-bit difference).
+  np.testing.assert_allclose(np.asarray(lp), np.asarray(ref_lp), rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(slp), np.asarray(ref_slp), rtol=1e-6, atol=1e-7)
+  greedy = np.asarray(temps) <= 0
+  # The rows built to tell argmax's rules apart, where greedy:
+  for row, first in ((1, 3), (2, 0), (4, 1)):
+    if greedy[row]:
+      assert int(tok[row]) == first
 
 
 # ----------------------------------------------------------------------------
