@@ -112,6 +112,45 @@ def test_an_oversized_batch_is_refused_naming_the_flag_and_the_overflow(tmp_path
   assert not fit["fits"] and fit["program"] == "learn" and fit["peak_gib"] > fit["budget_gib"]
 
 
+def test_the_grad_accum_advice_says_when_it_stops_the_learner_sharing_prompts():
+  """A learn program over budget: the advice names the smallest --grad_accum that fits, and says when that
+  value would make the learner run every row's own prompt, and which fitting value would not."""
+  from jax.sharding import AbstractMesh
+
+  from mimo_jax.train.dry_run import _fit
+  from mimo_jax.train.learner import prompt_group
+
+  def advice(mesh_shape, *flags):
+    cfg = parse_config(["prog", *flags])
+    mesh = AbstractMesh(mesh_shape, ("data", "fsdp", "tensor"))
+    # The learn program 16 GiB against v5e-1's 14.4 usable, 10 of it activations: any larger --grad_accum fits.
+    report = {
+      "compiled": {"learn": {"peak_gib": 16.0, "temp_gib": 10.0}, "generate": {"peak_gib": 1.0}},
+      "per_device_gib": {"params": 1.0, "kv_cache": 0.5},
+      "mesh": dict(zip(mesh.axis_names, mesh_shape, strict=True)),
+      "learner_prompt_group": prompt_group(cfg, mesh),
+    }
+    fit = _fit(cfg, parse_topology("v5e-1"), report, mesh)
+    assert not fit["fits"]
+    return fit["message"]
+
+  # The 13B flagfile on its v5p-128 mesh shares at --grad_accum=1; at 2 its 64-row micro-batches are 8
+  # groups over 16 batch shards, and no larger value shares either.
+  said = advice((1, 16, 4), f"--flagfile={FLAGS}/grpo_13b.flags")
+  assert (
+    "raise --grad_accum to 2 (micro-batches of 64 rows instead of 128), though the learner then runs every " in said
+  )
+  assert "no longer split into whole groups of --num_samples=8 over the 16 batch shards)" in said
+  assert "also fits" not in said
+  # 6 prompts x 4 samples on 2 batch shards: 2 breaks the groups (3 per micro-batch), 3 keeps them (2).
+  tiny = [f"--flagfile={FLAGS}/grpo_tiny.flags", "--prompts_per_step=6", "--num_samples=4", "--num_minibatches=1"]
+  said = advice((2, 1, 1), *tiny, "--grad_accum=1")
+  assert said.endswith("over the 2 batch shards); --grad_accum=3 also fits and runs each prompt once"), said
+  # Nothing to lose where nothing is shared now, or where the larger value still shares.
+  assert "own prompt" not in advice((2, 1, 1), *tiny, "--grad_accum=1", "--noshare_prompts")
+  assert "own prompt" not in advice((1, 1, 1), *tiny, "--grad_accum=1")
+
+
 def test_the_compilers_out_of_memory_refusal_is_read():
   from mimo_jax.train.dry_run import _compiler_refusal
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mimo_jax import sharding
 from mimo_jax.config import Config
@@ -324,7 +324,7 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
     max(m.get("peak_gib", 0.0), m.get("estimate_gib", 0.0)) for m in report["compiled"].values()
   )
   if topo is not None:
-    report["fit"] = _fit(cfg, topo, report)
+    report["fit"] = _fit(cfg, topo, report, mesh)
   report["total_s"] = time.perf_counter() - t0
   _print_report(report)
   if write:
@@ -373,9 +373,10 @@ def _topology_record(topo: Topology, devices) -> dict[str, Any]:
   }
 
 
-def _fit(cfg: Config, topo: Topology, report: dict[str, Any]) -> dict[str, Any]:
+def _fit(cfg: Config, topo: Topology, report: dict[str, Any], mesh: Mesh | None = None) -> dict[str, Any]:
   """Whether the step fits ``topo``'s devices with ``--dry_run_headroom`` kept free; if not, which flag to
-  change and by how much (the larger program decides: the learner step or generation)."""
+  change and by how much (the larger program decides: the learner step or generation).  A larger
+  ``--grad_accum`` that would stop the learner running each prompt once (on ``mesh``) says so."""
   budget = topo.device_gib * (1.0 - cfg.run.dry_run_headroom)
   peaks = {name: max(m.get("peak_gib", 0.0), m.get("estimate_gib", 0.0)) for name, m in report["compiled"].items()}
   worst = max(peaks, key=peaks.get)
@@ -419,6 +420,14 @@ def _fit(cfg: Config, topo: Topology, report: dict[str, Any]) -> dict[str, Any]:
         f"--grad_accum={g}: the learner step's activations take {temp:.2f} GiB per device; raise --grad_accum "
         f"to {fitting[0]} (micro-batches of {minibatch // fitting[0]} rows instead of {minibatch // g})"
       )
+      if report["learner_prompt_group"] > 1 and prompt_group(cfg, mesh, grad_accum=fitting[0]) == 1:
+        advice += (
+          f", though the learner then runs every row's own prompt (its micro-batches no longer split into "
+          f"whole groups of --num_samples={cfg.rollout.num_samples} over the {shards} batch shards)"
+        )
+        keep = next((a for a in fitting if prompt_group(cfg, mesh, grad_accum=a) > 1), None)
+        if keep is not None:
+          advice += f"; --grad_accum={keep} also fits and runs each prompt once"
     else:
       advice = (
         f"--prompts_per_step={cfg.data.prompts_per_step}: the learner step's activations ({temp:.2f} GiB per "

@@ -178,9 +178,9 @@ def update_settings(cfg: Config, mesh: Mesh | None = None) -> UpdateSettings:
   )
 
 
-def prompt_group(cfg: Config, mesh: Mesh | None = None) -> int:
+def prompt_group(cfg: Config, mesh: Mesh | None = None, grad_accum: int | None = None) -> int:
   """Rows per shared prompt in the learner's passes, score and update alike (``--share_prompts``; 1:
-  every row runs its own prompt).
+  every row runs its own prompt), at ``cfg``'s ``--grad_accum`` or at ``grad_accum``.
 
   The rollout lays a prompt's ``num_samples`` rows out contiguously with equal prompt tokens
   (:class:`Experience`), so the learner can run each prompt once: in every pass whose row chunks
@@ -191,7 +191,7 @@ def prompt_group(cfg: Config, mesh: Mesh | None = None) -> int:
   (``models.logprobs.shares_prompts``); the compute ledger counts what this returns.
   """
   a, N = cfg.algo, cfg.rollout.num_samples
-  rows = cfg.data.prompts_per_step * N // (a.num_minibatches * a.grad_accum)
+  rows = cfg.data.prompts_per_step * N // (a.num_minibatches * (grad_accum or a.grad_accum))
   if not a.share_prompts or not shares_prompts(rows, cfg.rollout.max_new_tokens, N, mesh=mesh):
     return 1
   return N
@@ -223,7 +223,7 @@ def prompt_sharing_note(cfg: Config, mesh: Mesh | None = None) -> str | None:
     f"(--num_minibatches x --grad_accum))"
   )
   for g in reversed([c for c in grad_accum_choices(cfg, shards) if c < a.grad_accum]):
-    if prompt_group(dataclasses.replace(cfg, algo=dataclasses.replace(a, grad_accum=g)), mesh) > 1:
+    if prompt_group(cfg, mesh, grad_accum=g) > 1:
       return (
         f"{why}; --grad_accum={g} would run each prompt once (micro-batches of {minibatch // g} rows: more "
         f"activation memory, see --dry_run_topology)"
