@@ -13,6 +13,7 @@ import pytest
 from mimo_jax.config import ConfigError
 from mimo_jax.main import main, parse_config
 from mimo_jax.testing import kill_resume
+from mimo_jax.train.loop import RLRun
 from mimo_jax.train.warm_start import warm_start_key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,11 +39,33 @@ RL_ARM = ["--learning_rate=5e-4", "--kl_coef=0.01", "--temperature=0.9"]
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-  """A run stopped right after its warm start (what the sweep runner trains once per seed)."""
+def trained_source(tmp_path_factory):
+  """A run stopped right after its warm start (what the sweep runner trains once per seed), and the
+  evaluations it ran."""
   run_dir = tmp_path_factory.mktemp("source") / "run"
-  assert main(["prog", *SMALL, "--max_steps=0", f"--run_dir={run_dir}"]) == 0
-  return run_dir
+  evaluated = []
+  with pytest.MonkeyPatch.context() as mp:
+    real = RLRun.evaluate
+    mp.setattr(RLRun, "evaluate", lambda self, params: evaluated.append(1) or real(self, params))
+    assert main(["prog", *SMALL, "--max_steps=0", f"--run_dir={run_dir}"]) == 0
+  return run_dir, len(evaluated)
+
+
+@pytest.fixture(scope="module")
+def source(trained_source):
+  return trained_source[0]
+
+
+def test_a_run_stopped_after_its_warm_start_evaluates_it_once(trained_source):
+  run_dir, evaluated = trained_source
+  assert evaluated == 1
+  summary = json.load(open(run_dir / "summary.json"))
+  assert summary["final"] == summary["warm_start"] and "greedy_accuracy" in summary["final"]
+  # The final record still comes, equal to RL step 0's evaluation.
+  evals = [r for r in kill_resume.load_metrics(str(run_dir)) if any(k.startswith("eval/") for k in r)]
+  assert [r["step"] for r in evals] == [0, 1] and {k: v for k, v in evals[0].items() if k != "step"} == {
+    k: v for k, v in evals[1].items() if k != "step"
+  }
 
 
 def _rl_records(run_dir):

@@ -1295,7 +1295,8 @@ def _finish(
 ) -> dict[str, Any]:
   """The final evaluation, the last checkpoint and ``summary.json``."""
   cfg = run.cfg
-  final = run.evaluate(state.params)
+  # --max_steps=0 (a warm-start source): the final policy is the warm start, evaluated already.
+  final = dict(warm) if step == 0 else run.evaluate(state.params)
   run.logger.log(cfg.run.max_steps + 1, {f"eval/{k}": v for k, v in final.items()})
   if step == 0:
     # --max_steps=0 (a run stopped after its warm start): RL step 0 was committed by the SFT -> RL
