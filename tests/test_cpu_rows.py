@@ -134,6 +134,37 @@ def test_devices_calling_at_once_each_get_their_product():
     np.testing.assert_allclose(np.asarray(f(xs, panels)), want, rtol=1e-5, atol=1e-3)
 
 
+def test_back_to_back_products_of_two_sizes_on_preempted_helpers_finish_and_stay_right():
+  """A million products alternating 16 and 128 panels, on eight threads sharing the machine's cores,
+  so that helpers are often preempted between claims.  A helper that read the next product's size
+  under the last product's exhausted work word claimed panels past that product's end: the product
+  then never counted as done (a hang, about every 200k products here) or took a wrong output.
+  Every product must equal the first of its kind, and the run must end."""
+  code = """
+    import jax, jax.numpy as jnp, numpy as np
+    from mimo_jax.kernels import cpu_rows
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((1, 256), np.float32))
+    small, large = (cpu_rows.pack(jnp.asarray(rng.standard_normal((256, n), np.float32))) for n in (256, 2048))
+    want_small, want_large = cpu_rows.rows_matmul(x, small), cpu_rows.rows_matmul(x, large)
+
+    @jax.jit
+    def run(x, small, large):
+      def body(i, carry):
+        x, wrong = carry
+        y_small = cpu_rows.rows_matmul(x, small)
+        x = x + 0.0 * y_small  # each product waits for the last
+        y_large = cpu_rows.rows_matmul(x, large)
+        x = x + 0.0 * y_large[:, :256]
+        return x, wrong + jnp.sum(y_small != want_small) + jnp.sum(y_large != want_large)
+      return jax.lax.fori_loop(0, 500_000, body, (x, jnp.zeros((), jnp.int32)))[1]
+
+    print(cpu_rows.threads(), int(run(x, small, large)))
+  """
+  # A hang ends in _in_subprocess's timeout; here the million products take about 15 s.
+  assert _in_subprocess(code, {cpu_rows.THREADS_ENV: "8"}).split() == ["8", "0"]
+
+
 def test_switched_off_or_unbuildable_it_says_why_and_generation_keeps_xla_products(tmp_path):
   """MIMO_JAX_CPU_ROWS=0, or a compiler that fails (a fresh cache directory): available() is False
   with the reason, and the sampler decodes on XLA's products."""

@@ -127,6 +127,13 @@ class Pool {
       RunPanels(t, 0, t.num_panels);
       return;
     }
+    // The new generation is closed while its product is written: a helper still holding the last
+    // product's exhausted work word must not read this product's size and claim panels under the
+    // old word (a claim that would write past the old product's output and count against this one).
+    const uint64_t gen = (work_.load(std::memory_order_relaxed) >> 32) + 1;
+    work_.store((gen << 32) | kClosed);
+    // A helper that reads any of the product below also sees the generation closed (its fence).
+    std::atomic_thread_fence(std::memory_order_release);
     x_.store(t.x, std::memory_order_relaxed);
     panels_.store(t.panels, std::memory_order_relaxed);
     y_.store(t.y, std::memory_order_relaxed);
@@ -135,7 +142,6 @@ class Pool {
     num_panels_.store(t.num_panels, std::memory_order_relaxed);
     chunk_.store(std::max<int64_t>(1, t.num_panels / (4 * threads_)), std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
-    const uint64_t gen = (work_.load(std::memory_order_relaxed) >> 32) + 1;
     work_.store(gen << 32);  // publishes the product; its first panel is next
     if (sleepers_.load() > 0) work_.notify_all();
     Work(gen);  // the caller takes chunks too: a helper that starts late finds less or nothing left
@@ -144,21 +150,32 @@ class Pool {
 
  private:
   static constexpr uint64_t kPanelMask = 0xffffffffu;
+  static constexpr uint64_t kClosed = kPanelMask;  // next panel of a generation being written
 
   // Claims and runs chunks of product `gen` until none is left.  The work word holds the product's
-  // generation (high half) and its next unclaimed panel (low half): a claim is one compare-exchange,
-  // and one that succeeds proves that the product read just before it is still the current one (the
-  // caller publishes the next only after every panel of this one is done).
+  // generation (high half) and its next unclaimed panel (low half, kClosed while the caller writes
+  // the product): a claim is one compare-exchange, and one that succeeds proves that the product
+  // read just before it is still the current one (the caller closes the next generation before it
+  // writes the next product, and does so only after every panel of this one is done).
   void Work(uint64_t gen) {
     uint64_t w = work_.load(std::memory_order_acquire);
     for (;;) {
       if ((w >> 32) != (gen & kPanelMask)) return;
+      if ((w & kPanelMask) == kClosed) {  // published in a moment
+        CpuRelax();
+        w = work_.load(std::memory_order_acquire);
+        continue;
+      }
       const Product t{x_.load(std::memory_order_relaxed),      panels_.load(std::memory_order_relaxed),
                       y_.load(std::memory_order_relaxed),      rows_.load(std::memory_order_relaxed),
                       k_.load(std::memory_order_relaxed),      num_panels_.load(std::memory_order_relaxed)};
+      const int64_t chunk = chunk_.load(std::memory_order_relaxed);
+      // Pairs with the caller's fence: had any of these loads read the next product, the claim below
+      // would see its generation closed and fail.
+      std::atomic_thread_fence(std::memory_order_acquire);
       const int64_t p0 = static_cast<int64_t>(w & kPanelMask);
       if (p0 >= t.num_panels) return;
-      const int64_t p1 = std::min(p0 + chunk_.load(std::memory_order_relaxed), t.num_panels);
+      const int64_t p1 = std::min(p0 + chunk, t.num_panels);
       if (!work_.compare_exchange_weak(w, (w & ~kPanelMask) | static_cast<uint64_t>(p1), std::memory_order_acq_rel,
                                        std::memory_order_acquire)) {
         continue;
