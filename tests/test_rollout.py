@@ -806,6 +806,19 @@ def test_sample_tokens_equals_the_plain_argmax_and_log_softmax(kw, rows):
       assert int(tok[row]) == first
 
 
+def test_sample_tokens_on_sharded_rows_decides_its_branch_with_one_reduction():
+  """Which choice runs (argmax, draw, both) depends on every row: on rows sharded over devices that is
+  one cross-device reduction per decode step, not one per question asked."""
+  mesh = build_mesh(MeshConfig(8, 1, 1))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+  B, V = 32, 64
+  logits = jax.device_put(jnp.zeros((B, V)), rows)
+  temps = jax.device_put(jnp.ones((B,)), rows)
+  keys = jax.random.split(jax.random.key(0), B)
+  hlo = jax.jit(lambda x, k, t: sample_tokens(x, k, t)).lower(logits, keys, temps).compile().as_text()
+  assert hlo.count("all-reduce(") == 1
+
+
 # ----------------------------------------------------------------------------
 # Oracle: transformers' greedy generate
 # ----------------------------------------------------------------------------

@@ -131,7 +131,9 @@ def sample_tokens(
   def both():
     return jnp.where(greedy, pick_greedy(), draw())
 
-  which = jnp.where(jnp.all(greedy), 0, jnp.where(jnp.any(greedy), 2, 1))
+  # One count, so one cross-device reduction where the rows are sharded.
+  num_greedy = jnp.sum(greedy.astype(jnp.int32))
+  which = jnp.where(num_greedy == greedy.shape[0], 0, jnp.where(num_greedy > 0, 2, 1))
   tokens = jax.lax.switch(which, (pick_greedy, draw, both)).astype(jnp.int32)
   logprob = log_softmax_at(scaled, tokens)
   # Without a vocabulary limit, top-k or top-p the sampled distribution is the policy's.
