@@ -46,6 +46,7 @@ from mimo_jax.train.learner import (
   build_learner,
   grad_accum_choices,
   init_controller_state,
+  minibatch_rows,
   prompt_group,
   prompt_sharing_note,
   uses_kl,
@@ -409,7 +410,7 @@ def _fit(cfg: Config, topo: Topology, report: dict[str, Any], mesh: Mesh | None 
   elif worst == "learn":
     temp = m.get("temp_gib", 0.0)
     g = cfg.algo.grad_accum
-    minibatch = cfg.data.prompts_per_step * cfg.rollout.num_samples // cfg.algo.num_minibatches
+    minibatch = minibatch_rows(cfg)
     shards = report["mesh"]["data"] * report["mesh"]["fsdp"]
     # Activations shrink with the micro-batch: the smallest valid --grad_accum whose share fits.
     need_factor = temp / max(temp - over, 1e-9) if temp > over else math.inf

@@ -191,16 +191,21 @@ def prompt_group(cfg: Config, mesh: Mesh | None = None, grad_accum: int | None =
   (``models.logprobs.shares_prompts``); the compute ledger counts what this returns.
   """
   a, N = cfg.algo, cfg.rollout.num_samples
-  rows = cfg.data.prompts_per_step * N // (a.num_minibatches * (grad_accum or a.grad_accum))
+  rows = minibatch_rows(cfg) // (grad_accum or a.grad_accum)
   if not a.share_prompts or not shares_prompts(rows, cfg.rollout.max_new_tokens, N, mesh=mesh):
     return 1
   return N
 
 
+def minibatch_rows(cfg: Config) -> int:
+  """Rows per update minibatch: ``--prompts_per_step x --num_samples / --num_minibatches``."""
+  return cfg.data.prompts_per_step * cfg.rollout.num_samples // cfg.algo.num_minibatches
+
+
 def grad_accum_choices(cfg: Config, batch_shards: int) -> list[int]:
   """The ``--grad_accum`` values valid on ``batch_shards`` batch shards, ascending: those that divide the
   minibatch into micro-batches that split evenly over the shards (``config.validate``'s rule)."""
-  minibatch = cfg.data.prompts_per_step * cfg.rollout.num_samples // cfg.algo.num_minibatches
+  minibatch = minibatch_rows(cfg)
   return [g for g in range(1, minibatch + 1) if minibatch % g == 0 and (minibatch // g) % batch_shards == 0]
 
 
@@ -211,7 +216,7 @@ def prompt_sharing_note(cfg: Config, mesh: Mesh | None = None) -> str | None:
   a, N = cfg.algo, cfg.rollout.num_samples
   if not a.share_prompts or N < 2 or cfg.rollout.max_new_tokens < 2 or prompt_group(cfg, mesh) > 1:
     return None
-  minibatch = cfg.data.prompts_per_step * N // a.num_minibatches
+  minibatch = minibatch_rows(cfg)
   micro = minibatch // a.grad_accum
   shards = 1 if mesh is None else mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
   if micro % N:
