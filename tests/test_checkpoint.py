@@ -59,6 +59,71 @@ def _copy(run_dir, tmp_path):
   return dst
 
 
+def _checksum_oracle(a: np.ndarray) -> int:
+  """The fingerprint's definition in plain numpy on the whole global array: the sum over elements of
+  bits * ((position * 2654435761 mod 2^32) | 1), mod 2^32 (uint64 products are exact; their sum wraps
+  mod 2^64, a multiple of 2^32)."""
+  a = np.asarray(a)
+  if a.dtype == bool:
+    a = a.astype(np.uint8)
+  bits = np.ascontiguousarray(a).view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.itemsize]).astype(np.uint64).ravel()
+  position = np.arange(bits.size, dtype=np.uint64)
+  weights = ((position * np.uint64(2654435761)) % np.uint64(1 << 32)) | np.uint64(1)
+  return int((bits * weights).sum() % np.uint64(1 << 32))
+
+
+def test_fingerprints_equal_their_definition_in_every_layout_and_earlier_releases_values():
+  """Each array's fingerprint is its numpy definition on the global array, whatever its layout (split on
+  one or two mesh axes, replicated in part or whole, on one device, uncommitted, a host value: each block
+  counted once, at its global positions); and the values of checkpoints written by earlier releases
+  (computed then) are unchanged, so those checkpoints still verify."""
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from mimo_jax.ckpt import manager
+
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+  r = np.random.default_rng(0)
+  values = {
+    "f32": r.normal(size=(8, 12)).astype(np.float32),
+    "bf16": np.asarray(r.normal(size=(4, 8)), jax.numpy.bfloat16),
+    "i8": r.integers(-128, 128, size=(2, 4, 8)).astype(np.int8),
+    "bool": r.integers(0, 2, size=(8,)).astype(bool),
+    "u32": r.integers(0, 1 << 32, size=(4, 4), dtype=np.uint64).astype(np.uint32),
+  }
+  layouts = {
+    "f32": [P("a", None), P(None, "b"), P("a", "b"), P(("a", "b"), None), P()],
+    "bf16": [P(None, "b"), P("a", None)],
+    "i8": [P(None, "a", "b"), P("a", None, None)],
+    "bool": [P("b"), P(("a", "b"))],
+    "u32": [P("b", None), P()],
+  }
+  tree = {}
+  for name, a in values.items():
+    for i, spec in enumerate(layouts[name]):
+      tree[f"{name}/{i}"] = jax.device_put(a, NamedSharding(mesh, spec))
+    tree[f"{name}/device3"] = jax.device_put(a, jax.devices()[3])
+    tree[f"{name}/uncommitted"] = jax.numpy.asarray(a)
+    tree[f"{name}/host"] = a
+  got = manager.fingerprint(tree)
+  assert got == {key: _checksum_oracle(values[key.split("/")[0]]) for key in tree}
+  key = jax.random.key(7)
+  assert manager.fingerprint({"k": key})["k"] == _checksum_oracle(jax.random.key_data(key))
+  # Values computed by the release before the fingerprint moved on the device (written into its checkpoints).
+  a = np.arange(24, dtype=np.float32).reshape(4, 6) / 7
+  earlier = {
+    "f32": (a, 1265006238),
+    "bf16": (np.asarray(a, jax.numpy.bfloat16), 512938660),
+    "i8": (np.arange(-12, 12, dtype=np.int8).reshape(2, 3, 4), 3232544680),
+    "bool": (np.arange(10) % 3 == 0, 535203444),
+    "key": (jax.random.key(7), 1401181143),
+    "scalar": (np.float32(-2.5), 3223322624),
+  }
+  assert manager.fingerprint({k: jax.numpy.asarray(v) for k, (v, _) in earlier.items()}) == {
+    k: v for k, (_, v) in earlier.items()
+  }
+
+
 def test_checkpoint_metadata_matches_the_schema(finished_run):
   ckpt = Checkpointer(str(finished_run / "checkpoints"), async_save=False)
   steps = ckpt.all_steps()

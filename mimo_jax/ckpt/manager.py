@@ -42,63 +42,85 @@ def _path_str(path) -> str:
 
 
 @jax.jit
-def _shard_checksum(x: jax.Array, flat_index: jax.Array) -> jax.Array:
-  """Sum over elements of bits * odd(global position), mod 2^32 (one shard, one device)."""
-  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
+def _shard_checksum(x: jax.Array, offsets: jax.Array, strides: jax.Array) -> jax.Array:
+  """Sum over the elements of one shard of bits * odd(global position), mod 2^32, on the shard's device.
+
+  ``offsets``: where the shard starts in the global array, per axis; ``strides``: the global array's
+  row-major strides; both uint32, so the global position is made here, in uint32 arithmetic (exact
+  mod 2^32, all the weight uses): nothing of the shard's size is built on the host or copied over.
+  """
   if x.dtype == jnp.bool_:
     x = x.astype(jnp.uint8)
+  flat_index = jnp.zeros(x.shape, jnp.uint32)
+  for axis in range(x.ndim):
+    flat_index = flat_index + (offsets[axis] + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)) * strides[axis]
   width = x.dtype.itemsize
   bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[width])
   if width == 8:  # two uint32 words per element
     bits = bits.reshape(flat_index.shape + (2,))
-    flat_index = (flat_index[..., None] * 2 + jnp.arange(2, dtype=jnp.uint32)).astype(jnp.uint32)
-  weights = (flat_index.astype(jnp.uint32) * jnp.uint32(2654435761)) | jnp.uint32(1)
+    flat_index = flat_index[..., None] * 2 + jnp.arange(2, dtype=jnp.uint32)
+  weights = (flat_index * jnp.uint32(2654435761)) | jnp.uint32(1)
   return jnp.sum(bits.astype(jnp.uint32) * weights, dtype=jnp.uint32)
 
 
-def _global_flat_index(shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
-  """Row-major global positions of the elements of one shard."""
-  grids = np.ix_(*[np.arange(*sl.indices(n)) for sl, n in zip(index, shape, strict=True)]) if shape else ()
-  strides = np.cumprod((1,) + shape[::-1][:-1])[::-1] if shape else ()
-  flat = np.zeros([len(np.arange(*sl.indices(n))) for sl, n in zip(index, shape, strict=True)], np.uint64)
-  for g, st in zip(grids, strides, strict=True):
-    flat = flat + g.astype(np.uint64) * np.uint64(st)
-  return (flat % (1 << 32)).astype(np.uint32)
+def _row_major_strides(shape: tuple[int, ...]) -> np.ndarray:
+  """A global array's row-major element strides, mod 2^32."""
+  strides = np.cumprod((1,) + tuple(shape[::-1])[:-1], dtype=np.uint64)[::-1] if shape else np.zeros(0, np.uint64)
+  return (strides % (1 << 32)).astype(np.uint32)
 
 
-def _array_checksum(x: jax.Array) -> int:
-  """Layout-independent checksum of this process's part of a (possibly sharded) array, computed shard by
-  shard on each shard's own device (no collectives).  Each block counts once over all processes: on the
-  process holding the lowest-id device among its replicas; :func:`fingerprint` adds the processes' parts."""
+def _shard_checksums(x: Any) -> list[jax.Array]:
+  """This process's part of an array's layout-independent checksum: one uint32 device scalar per block it
+  counts, each computed on the block's own device by a one-device program, so no collective runs beside
+  a background save or another thread's program.  Each block counts once over all processes: on the
+  process holding the lowest-id device among its replicas; :func:`fingerprint` adds the processes'
+  parts."""
   if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
     x = jax.random.key_data(x)
   if not isinstance(x, jax.Array) or x.is_fully_addressable:
     if not multihost.is_primary():  # a host value, the same on every process: counted once, on process 0
-      return 0
+      return []
     x = jnp.asarray(x)
   owner: dict[tuple, int] = {}
   if not x.is_fully_addressable:
     for device, index in x.sharding.devices_indices_map(x.shape).items():
       key = tuple(sl.indices(n) for sl, n in zip(index, x.shape, strict=True))
       owner[key] = min(owner.get(key, device.id), device.id)
-  seen, total = set(), 0
+  strides = _row_major_strides(x.shape)
+  seen, parts = set(), []
   for shard in x.addressable_shards:
     key = tuple(sl.indices(n) for sl, n in zip(shard.index, x.shape, strict=True))
     if key in seen or owner.get(key, shard.device.id) != shard.device.id:  # a replica counted elsewhere
       continue
     seen.add(key)
-    flat = jax.device_put(_global_flat_index(x.shape, shard.index), shard.device)
-    total = (total + int(_shard_checksum(shard.data, flat))) % (1 << 32)
-  return total
+    offsets = np.asarray([start % (1 << 32) for start, _, _ in key], np.uint32)
+    parts.append(_shard_checksum(shard.data, offsets, strides))
+  return parts
+
+
+# How many bytes of arrays :func:`fingerprint` sums before it waits for their sums.
+_FETCH_BYTES = 64 << 20
 
 
 def fingerprint(tree: Any) -> dict[str, int]:
-  """``{path: uint32 checksum}`` of every array in ``tree`` (the same on every process of a multi-process
-  run: the processes' parts are added with one gather)."""
+  """``{path: uint32 checksum}`` of every array in ``tree``, the same on every process of a multi-process
+  run (the processes' parts are added with one gather).
+
+  The blocks' sums are dispatched, then fetched together once every ``_FETCH_BYTES`` of arrays: one
+  wait for a small state, while XLA:CPU, which keeps each block's weighted bits as a temporary (an
+  unsigned sum is not fused with what it sums), never holds more than about that much of them.
+  """
   with_paths = jax.tree_util.tree_leaves_with_path(tree)
   names = [_path_str(p) for p, _ in with_paths]
-  parts = np.asarray([_array_checksum(x) for _, x in with_paths], np.uint64)
+  fetched, pending, pending_bytes = [], [], 0
+  for _, x in with_paths:
+    pending.append(_shard_checksums(x))
+    pending_bytes += getattr(x, "nbytes", 0)
+    if pending_bytes >= _FETCH_BYTES:
+      fetched += jax.device_get(pending)
+      pending, pending_bytes = [], 0
+  fetched += jax.device_get(pending)
+  parts = np.asarray([sum(int(v) for v in vs) % (1 << 32) for vs in fetched], np.uint64)
   if multihost.multi_process() and len(parts):
     every = multihost.gather(parts.astype(np.int64)).astype(np.uint64)
     parts = every.sum(axis=0) % np.uint64(1 << 32)
