@@ -69,17 +69,17 @@ def _row_major_strides(shape: tuple[int, ...]) -> np.ndarray:
   return (strides % (1 << 32)).astype(np.uint32)
 
 
-def _shard_checksums(x: Any) -> list[jax.Array]:
+def _shard_checksums(x: Any) -> tuple[list[jax.Array], int]:
   """This process's part of an array's layout-independent checksum: one uint32 device scalar per block it
   counts, each computed on the block's own device by a one-device program, so no collective runs beside
-  a background save or another thread's program.  Each block counts once over all processes: on the
-  process holding the lowest-id device among its replicas; :func:`fingerprint` adds the processes'
-  parts."""
+  a background save or another thread's program; and the bytes of those blocks.  Each block counts once
+  over all processes: on the process holding the lowest-id device among its replicas; :func:`fingerprint`
+  adds the processes' parts."""
   if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
     x = jax.random.key_data(x)
   if not isinstance(x, jax.Array) or x.is_fully_addressable:
     if not multihost.is_primary():  # a host value, the same on every process: counted once, on process 0
-      return []
+      return [], 0
     x = jnp.asarray(x)
   owner: dict[tuple, int] = {}
   if not x.is_fully_addressable:
@@ -87,7 +87,7 @@ def _shard_checksums(x: Any) -> list[jax.Array]:
       key = tuple(sl.indices(n) for sl, n in zip(index, x.shape, strict=True))
       owner[key] = min(owner.get(key, device.id), device.id)
   strides = _row_major_strides(x.shape)
-  seen, parts = set(), []
+  seen, parts, nbytes = set(), [], 0
   for shard in x.addressable_shards:
     key = tuple(sl.indices(n) for sl, n in zip(shard.index, x.shape, strict=True))
     if key in seen or owner.get(key, shard.device.id) != shard.device.id:  # a replica counted elsewhere
@@ -95,10 +95,11 @@ def _shard_checksums(x: Any) -> list[jax.Array]:
     seen.add(key)
     offsets = np.asarray([start % (1 << 32) for start, _, _ in key], np.uint32)
     parts.append(_shard_checksum(shard.data, offsets, strides))
-  return parts
+    nbytes += shard.data.nbytes
+  return parts, nbytes
 
 
-# How many bytes of arrays :func:`fingerprint` sums before it waits for their sums.
+# How many bytes of its blocks a process sums before :func:`fingerprint` waits for their sums.
 _FETCH_BYTES = 64 << 20
 
 
@@ -106,16 +107,18 @@ def fingerprint(tree: Any) -> dict[str, int]:
   """``{path: uint32 checksum}`` of every array in ``tree``, the same on every process of a multi-process
   run (the processes' parts are added with one gather).
 
-  The blocks' sums are dispatched, then fetched together once every ``_FETCH_BYTES`` of arrays: one
-  wait for a small state, while XLA:CPU, which keeps each block's weighted bits as a temporary (an
-  unsigned sum is not fused with what it sums), never holds more than about that much of them.
+  The blocks' sums are dispatched, then fetched together once every ``_FETCH_BYTES`` of this process's
+  blocks: one wait for a small state, one per ``_FETCH_BYTES`` of a process's share of a large one, while
+  XLA:CPU, which keeps each block's weighted bits as a temporary (an unsigned sum is not fused with what
+  it sums), never holds more than about that much of them.
   """
   with_paths = jax.tree_util.tree_leaves_with_path(tree)
   names = [_path_str(p) for p, _ in with_paths]
   fetched, pending, pending_bytes = [], [], 0
   for _, x in with_paths:
-    pending.append(_shard_checksums(x))
-    pending_bytes += getattr(x, "nbytes", 0)
+    parts, nbytes = _shard_checksums(x)
+    pending.append(parts)
+    pending_bytes += nbytes
     if pending_bytes >= _FETCH_BYTES:
       fetched += jax.device_get(pending)
       pending, pending_bytes = [], 0
