@@ -23,11 +23,11 @@ if "xla_force_host_platform_device_count" not in _flags:
 if "xla_cpu_collective_call_terminate_timeout_seconds" not in _flags:
   _flags += " --xla_cpu_collective_call_terminate_timeout_seconds=600"
 # The suite is compile-bound: about half of its time is XLA:CPU compiling programs (every test's
-# configuration is programs of its own shapes), and about two thirds of a program's compile is LLVM
+# configuration is programs of its own shapes), and about half of a program's compile is LLVM
 # optimising its kernels (the tiny model's learn program: 1.9 s at level 0, 3.4 s at XLA's default, 3).
 # The tests check what the programs compute, not how fast their kernels run, so the suite compiles the
-# same optimised HLO (the same fusions and layouts) with LLVM's optimiser off; ~23% shorter in all
-# (BUILD_NOTES, "Tests and CI time").  A kernel's exp or log may round differently in its last bit.
+# same optimised HLO (the same fusions and layouts) with LLVM's optimiser off; the whole suite ran ~19%
+# shorter (BUILD_NOTES, "Tests and CI time").  A kernel's exp or log may round differently in its last bit.
 # Naming the flag in XLA_FLAGS tests at another level.
 if "xla_backend_optimization_level" not in _flags:
   _flags += " --xla_backend_optimization_level=0"

@@ -798,7 +798,7 @@ def test_sample_tokens_equals_the_plain_argmax_and_log_softmax(kw, rows):
   np.testing.assert_array_equal(np.asarray(tok), np.asarray(ref_tok))
   # The same formula; XLA may sum a row's exponentials in another order or round its exp and log
   # differently: a last-bit difference of the row's log-sum-exp (up to ~15 here, whose last bit is ~1e-6),
-  # which a chosen token's log-prob near 0 carries whole.
+  # which a chosen token's log-prob near 0 carries whole (0.7: the smallest temperature, the largest).
   lse = np.abs(np.asarray(jax.nn.logsumexp(jnp.asarray(x) / 0.7, axis=-1)))
   atol = 2 * float(np.spacing(np.float32(lse[np.isfinite(lse)].max())))
   np.testing.assert_allclose(np.asarray(lp), np.asarray(ref_lp), rtol=1e-6, atol=atol)
