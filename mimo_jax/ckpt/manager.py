@@ -18,6 +18,8 @@ then falls back to the previous step and says so.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mimo_jax import multihost
 from mimo_jax.ckpt import schema
@@ -41,19 +44,11 @@ def _path_str(path) -> str:
   return "/".join(str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))) for p in path)
 
 
-@jax.jit
-def _shard_checksum(x: jax.Array, offsets: jax.Array, strides: jax.Array) -> jax.Array:
-  """Sum over the elements of one shard of bits * odd(global position), mod 2^32, on the shard's device.
-
-  ``offsets``: where the shard starts in the global array, per axis; ``strides``: the global array's
-  row-major strides; both uint32, so the global position is made here, in uint32 arithmetic (exact
-  mod 2^32, all the weight uses): nothing of the shard's size is built on the host or copied over.
-  """
+def _weighted_bits_sum(x: jax.Array, flat_index: jax.Array) -> jax.Array:
+  """Sum of ``x``'s bits * odd(``flat_index``), mod 2^32 (``flat_index``: each element's global
+  row-major position, uint32)."""
   if x.dtype == jnp.bool_:
     x = x.astype(jnp.uint8)
-  flat_index = jnp.zeros(x.shape, jnp.uint32)
-  for axis in range(x.ndim):
-    flat_index = flat_index + (offsets[axis] + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)) * strides[axis]
   width = x.dtype.itemsize
   bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[width])
   if width == 8:  # two uint32 words per element
@@ -63,71 +58,185 @@ def _shard_checksum(x: jax.Array, offsets: jax.Array, strides: jax.Array) -> jax
   return jnp.sum(bits.astype(jnp.uint32) * weights, dtype=jnp.uint32)
 
 
+@jax.jit
+def _shard_checksum(x: jax.Array, offsets: jax.Array, strides: jax.Array) -> jax.Array:
+  """Sum over the elements of one shard of bits * odd(global position), mod 2^32, on the shard's device.
+
+  ``offsets``: where the shard starts in the global array, per axis; ``strides``: the global array's
+  row-major strides; both uint32, so the global position is made here, in uint32 arithmetic (exact
+  mod 2^32, all the weight uses): nothing of the shard's size is built on the host or copied over.
+  """
+  flat_index = jnp.zeros(x.shape, jnp.uint32)
+  for axis in range(x.ndim):
+    flat_index = flat_index + (offsets[axis] + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)) * strides[axis]
+  return _weighted_bits_sum(x, flat_index)
+
+
 def _row_major_strides(shape: tuple[int, ...]) -> np.ndarray:
   """A global array's row-major element strides, mod 2^32."""
   strides = np.cumprod((1,) + tuple(shape[::-1])[:-1], dtype=np.uint64)[::-1] if shape else np.zeros(0, np.uint64)
   return (strides % (1 << 32)).astype(np.uint32)
 
 
-def _shard_checksums(x: Any) -> tuple[list[jax.Array], int]:
-  """This process's part of an array's layout-independent checksum: one uint32 device scalar per block it
-  counts, each computed on the block's own device by a one-device program, so no collective runs beside
-  a background save or another thread's program; and the bytes of those blocks.  Each block counts once
-  over all processes: on the process holding the lowest-id device among its replicas; :func:`fingerprint`
-  adds the processes' parts."""
-  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
+def _block_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
+  return tuple(sl.indices(n) for sl, n in zip(index, shape, strict=True))
+
+
+def _shard_checksums(x: Any) -> list[jax.Array]:
+  """This process's part of the checksum of an array that is not laid out over a mesh (or not evenly):
+  one uint32 device scalar per block it counts, each computed on the block's own device by a one-device
+  program.  Each block counts once over all processes: on the process holding the lowest-id device
+  among its replicas; :func:`fingerprint` adds the processes' parts."""
   if not isinstance(x, jax.Array) or x.is_fully_addressable:
     if not multihost.is_primary():  # a host value, the same on every process: counted once, on process 0
-      return [], 0
+      return []
     x = jnp.asarray(x)
   owner: dict[tuple, int] = {}
   if not x.is_fully_addressable:
     for device, index in x.sharding.devices_indices_map(x.shape).items():
-      key = tuple(sl.indices(n) for sl, n in zip(index, x.shape, strict=True))
+      key = _block_key(index, x.shape)
       owner[key] = min(owner.get(key, device.id), device.id)
   strides = _row_major_strides(x.shape)
-  seen, parts, nbytes = set(), [], 0
+  seen, parts = set(), []
   for shard in x.addressable_shards:
-    key = tuple(sl.indices(n) for sl, n in zip(shard.index, x.shape, strict=True))
+    key = _block_key(shard.index, x.shape)
     if key in seen or owner.get(key, shard.device.id) != shard.device.id:  # a replica counted elsewhere
       continue
     seen.add(key)
     offsets = np.asarray([start % (1 << 32) for start, _, _ in key], np.uint32)
     parts.append(_shard_checksum(shard.data, offsets, strides))
-    nbytes += shard.data.nbytes
-  return parts, nbytes
+  return parts
 
 
-# How many bytes of its blocks a process sums before :func:`fingerprint` waits for their sums.
+def _spec_axes(spec: PartitionSpec, ndim: int) -> list[tuple[str, ...]]:
+  """The mesh axes each of an array's ``ndim`` dims is split over (major first; () for whole)."""
+  entries = tuple(spec) + (None,) * (ndim - len(spec))
+  return [() if e is None else (e if isinstance(e, tuple) else (e,)) for e in entries]
+
+
+def _on_mesh(x: Any) -> bool:
+  """Whether ``x`` is laid out over a mesh in device memory, every split dim evenly (a
+  :func:`_mesh_checksums` input; an array in host memory, such as an offloaded reference, is not)."""
+  if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding):
+    return False
+  if x.sharding.memory_kind not in (None, "device"):
+    return False
+  mesh = x.sharding.mesh
+  if not isinstance(mesh, Mesh):
+    return False
+  splits = _spec_axes(x.sharding.spec, x.ndim)
+  return all(n % math.prod(mesh.shape[a] for a in axes) == 0 for n, axes in zip(x.shape, splits, strict=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh_checksums(mesh: Mesh, layout: tuple[tuple[tuple[int, ...], PartitionSpec], ...]) -> Any:
+  """One program over ``mesh`` for arrays of ``layout`` (global shape, spec): every device sums its own
+  block of each (bits * odd(global position), mod 2^32; the block's offsets from its mesh coordinates),
+  and returns its sums, concatenated over the devices in the mesh's order: ``[mesh.size * len(layout)]``,
+  uint32.  Nothing is communicated between devices, so no collective runs beside a background save or
+  another thread's program; replicas are told apart on the host (:func:`_counted_here`)."""
+
+  def per_device(*blocks):
+    sums = []
+    for x, (shape, spec) in zip(blocks, layout, strict=True):
+      strides = _row_major_strides(shape)
+      flat_index = jnp.zeros(x.shape, jnp.uint32)
+      for axis, axes in enumerate(_spec_axes(spec, x.ndim)):
+        block = jnp.uint32(0)
+        for name in axes:
+          block = block * jnp.uint32(mesh.shape[name]) + jax.lax.axis_index(name).astype(jnp.uint32)
+        start = block * jnp.uint32(x.shape[axis] % (1 << 32))
+        flat_index = flat_index + (start + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)) * jnp.uint32(
+          int(strides[axis])
+        )
+      sums.append(_weighted_bits_sum(x, flat_index))
+    return jnp.stack(sums)
+
+  specs = tuple(spec for _, spec in layout)
+  program = jax.shard_map(
+    per_device, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(mesh.axis_names), check_vma=False
+  )
+  return jax.jit(program)
+
+
+@functools.lru_cache(maxsize=1024)
+def _counted_here(sharding: NamedSharding, shape: tuple[int, ...]) -> np.ndarray:
+  """Per device of ``sharding``'s mesh (in its order): whether its block of an array of ``shape`` counts,
+  i.e. it is the lowest-id device holding that block (a replica elsewhere counts nowhere)."""
+  index = sharding.devices_indices_map(shape)
+  owner: dict[tuple, int] = {}
+  for device, idx in index.items():
+    key = _block_key(idx, shape)
+    owner[key] = min(owner.get(key, device.id), device.id)
+  return np.asarray([owner[_block_key(index[d], shape)] == d.id for d in sharding.mesh.devices.flat])
+
+
+# How many bytes of its blocks a process sums in one program, or before it waits (:func:`fingerprint`).
 _FETCH_BYTES = 64 << 20
+
+
+def _local_block_bytes(x: jax.Array) -> int:
+  return sum(shard.data.nbytes for shard in x.addressable_shards)
 
 
 def fingerprint(tree: Any) -> dict[str, int]:
   """``{path: uint32 checksum}`` of every array in ``tree``, the same on every process of a multi-process
   run (the processes' parts are added with one gather).
 
-  The blocks' sums are dispatched, then fetched together once every ``_FETCH_BYTES`` of this process's
-  blocks: one wait for a small state, one per ``_FETCH_BYTES`` of a process's share of a large one, while
-  XLA:CPU, which keeps each block's weighted bits as a temporary (an unsigned sum is not fused with what
-  it sums), never holds more than about that much of them.
+  The arrays laid out over a mesh are summed by one program for them all (:func:`_mesh_checksums`)
+  while the blocks this process sums are at most ``_FETCH_BYTES``: one dispatch and one fetch for a small
+  state.  A larger state takes one program per array, waited for once per ``_FETCH_BYTES`` of blocks:
+  XLA:CPU keeps each block's weighted bits as a temporary (an unsigned sum is not fused with what it
+  sums), so it never holds more than about that much of them.  Other arrays (on one device, uncommitted,
+  host values, in host memory) take one-device programs per block (:func:`_shard_checksums`).
   """
   with_paths = jax.tree_util.tree_leaves_with_path(tree)
   names = [_path_str(p) for p, _ in with_paths]
-  fetched, pending, pending_bytes = [], [], 0
-  for _, x in with_paths:
-    parts, nbytes = _shard_checksums(x)
-    pending.append(parts)
-    pending_bytes += nbytes
-    if pending_bytes >= _FETCH_BYTES:
-      fetched += jax.device_get(pending)
-      pending, pending_bytes = [], 0
-  fetched += jax.device_get(pending)
-  parts = np.asarray([sum(int(v) for v in vs) % (1 << 32) for vs in fetched], np.uint64)
-  if multihost.multi_process() and len(parts):
-    every = multihost.gather(parts.astype(np.int64)).astype(np.uint64)
-    parts = every.sum(axis=0) % np.uint64(1 << 32)
-  return {name: int(v) for name, v in zip(names, parts, strict=True)}
+  leaves = [
+    jax.random.key_data(x) if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    for _, x in with_paths
+  ]
+  groups: dict[Mesh, list[int]] = {}
+  others: list[int] = []
+  for i, x in enumerate(leaves):
+    if _on_mesh(x):
+      groups.setdefault(x.sharding.mesh, []).append(i)
+    else:
+      others.append(i)
+  # One program for a mesh's arrays while their blocks here fit the window; past it, one per array: a
+  # program per kind of array (shape, layout, dtype), so a large state compiles as few as it has kinds.
+  chunks: list[tuple[Mesh, list[int]]] = []
+  for mesh, ids in groups.items():
+    if sum(_local_block_bytes(leaves[i]) for i in ids) <= _FETCH_BYTES:
+      chunks.append((mesh, ids))
+    else:
+      chunks += [(mesh, [i]) for i in ids]
+  other_parts = [_shard_checksums(leaves[i]) for i in others]
+  outs, mesh_parts, pending_bytes = [], [], 0
+  for mesh, ids in chunks:
+    layout = tuple((leaves[i].shape, leaves[i].sharding.spec) for i in ids)
+    outs.append(_mesh_checksums(mesh, layout)(*(leaves[i] for i in ids)))
+    parts = [s.data for s in outs[-1].addressable_shards]
+    pending_bytes += sum(_local_block_bytes(leaves[i]) for i in ids)
+    if pending_bytes >= _FETCH_BYTES:  # wait for the programs so far: their temporaries live until they end
+      parts, pending_bytes = jax.device_get(parts), 0
+    mesh_parts.append(parts)
+  fetched_mesh, fetched_other = jax.device_get((mesh_parts, other_parts))
+  sums = np.zeros(len(leaves), np.uint64)
+  for (_, ids), out, datas in zip(chunks, outs, fetched_mesh, strict=True):
+    counted = [_counted_here(leaves[i].sharding, leaves[i].shape) for i in ids]
+    for shard, data in zip(out.addressable_shards, datas, strict=True):
+      device = shard.index[0].start // len(ids)  # the device's place in the mesh's order
+      for k, i in enumerate(ids):
+        if counted[k][device]:
+          sums[i] += int(data[k])
+  for i, parts in zip(others, fetched_other, strict=True):
+    sums[i] += sum(int(v) for v in parts)
+  sums %= np.uint64(1 << 32)
+  if multihost.multi_process() and len(sums):
+    every = multihost.gather(sums.astype(np.int64)).astype(np.uint64)
+    sums = every.sum(axis=0) % np.uint64(1 << 32)
+  return {name: int(v) for name, v in zip(names, sums, strict=True)}
 
 
 class Checkpointer:
