@@ -67,6 +67,10 @@ def test_find_json_rejects_invalid_and_non_standard_json() -> None:
   assert find_json('{"a": NaN}') is None and find_json("Infinity") is None
   assert find_json('The answer is {"a": 1}') is None  # prose around an unfenced value
   assert find_json('```json\n{"a": 1}\n') is None  # unclosed fence (truncated completion)
+  # Nested past what Python's parser goes (a degenerate completion): no JSON, not an error.
+  deep = "[" * 100_000 + "]" * 100_000
+  assert find_json(deep) is None and find_json(f"```json\n{deep}\n```") is None
+  assert json_reward(_sample(deep), schema={"type": "array"}) == 0.0
 
 
 # ---- the schema subset ----------------------------------------------------------------------
@@ -199,6 +203,9 @@ GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+2
     ("Total cost: $1,234.00\n#### $1,234", "1234", 1.0, 1.0),
     ("#### 72", GSM8K_SOLUTION, 1.0, 1.0),  # the row may hold the full solution
     ("#### 72", 72, 1.0, 1.0),  # or a number
+    ("#### 0.00001", 1e-05, 1.0, 1.0),  # a float as its decimal, not "1e-05"
+    ("#### 25000000000000000", 2.5e16, 1.0, 1.0),
+    ("#### 0.5", np.float64(0.5), 1.0, 1.0),
   ],
 )
 def test_math_sources(completion: str, answer: object, correct: float, formatted: float) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from fractions import Fraction
 
@@ -72,11 +73,24 @@ def test_gold_answers_of_every_shipped_row(name: str, count: int) -> None:
     ("#### 9\nThe answer is 10.", "9", "hash"),
     ("The answer is \\boxed{11}.", "11", "boxed"),
     ("#### 12 or 13", "12 or 13", "hash"),
+    # Of the two markers, the later one: a Markdown heading above a boxed answer is not the answer.
+    ("#### Final Answer\nThe total is $\\boxed{7}$.", "7", "boxed"),
+    ("\\boxed{7}\nNo, wait.\n#### 8", "8", "hash"),
   ],
 )
 def test_extract_answer(text: str, expected: str, source: str) -> None:
   assert extract_answer(text) == expected
   assert extract_answer_with_source(text) == (expected, source)
+
+
+def test_hostile_lengths_are_read_in_one_pass_and_refused_cleanly() -> None:
+  """A policy's degenerate output: thousands of unclosed boxes (their braces matched in one pass, not
+  one scan per box) and a number past the 4300 digits Python converts (not a number: no error)."""
+  text = "\\boxed{" * 3000 + "} \\boxed{1} \\boxed{\\frac{1}{2}} } \\boxed{"
+  assert extract_answer_with_source(text) == ("\\frac{1}{2}", "boxed")
+  assert normalize_number("1" * 5000) is None and normalize_number("0." + "1" * 5000) is None
+  assert math_reward("#### " + "1" * 5000, "72") == {"correct": 0.0, "format": 1.0}
+  assert math_reward("The answer is " + "9" * 4301, "72") == {"correct": 0.0, "format": 0.0}
 
 
 @pytest.mark.parametrize(
@@ -126,6 +140,7 @@ def test_last_number_fallback_is_opt_in() -> None:
     ("3 hours", 3),
     ("60 km/h", 60),
     ("25 m^2", 25),
+    ("5 cm²", 5),
     ("90^\\circ", 90),
     ("5\\,\\text{cm}", 5),
     ("\\text{5 apples}", 5),
@@ -172,6 +187,10 @@ def test_normalize_number(text: str, value: Fraction | int) -> None:
     "5!",
     "(5)",
     "42, which is even",
+    # A power after no unit is an operation, not a unit's square.
+    "5^2",
+    "10^{3}",
+    "5²",
   ],
 )
 def test_normalize_number_refuses(text: str) -> None:
@@ -241,7 +260,7 @@ def test_hedged_hash_answer_does_not_match() -> None:
 
 def test_numeric_matching_does_not_need_sympy(monkeypatch: pytest.MonkeyPatch) -> None:
   monkeypatch.setattr(rm, "_import_sympy", lambda: None)
-  rm._symbolic_match.cache_clear()
+  rm._symbolic_match_cached.cache_clear()
   assert not sympy_available()
   assert answers_match("\\dfrac{3}{4}", "0.75")
   assert answers_match("$1{,}234.00", "1234")
@@ -264,7 +283,7 @@ def test_numeric_matching_does_not_need_sympy(monkeypatch: pytest.MonkeyPatch) -
   ],
 )
 def test_symbolic_match(pred: str, gold: str) -> None:
-  rm._symbolic_match.cache_clear()
+  rm._symbolic_match_cached.cache_clear()
   # A generous limit: this checks what matches, not how fast (the first sympy call on a busy 2-core
   # machine has taken over the 1 s default).
   assert answers_match(pred, gold, timeout_s=60.0)
@@ -304,14 +323,16 @@ def test_power_towers_are_refused_without_computing(pred: str) -> None:
 
 def test_symbolic_timeout_returns_false(monkeypatch: pytest.MonkeyPatch) -> None:
   # Stand-ins for sympy and the comparison, so the timeout path is tested with or without sympy.
+  release = threading.Event()
+
   def slow_equal(sympy: object, a: str, b: str) -> bool:
     del sympy, a, b
-    time.sleep(600.0)
+    release.wait(600.0)
     return True
 
   monkeypatch.setattr(rm, "_import_sympy", lambda: object())
   monkeypatch.setattr(rm, "_sympy_equal", slow_equal)
-  rm._symbolic_match.cache_clear()
+  rm._symbolic_match_cached.cache_clear()
   try:
     start = time.monotonic()
     assert not answers_match("2x", "x + x", timeout_s=0.2)
@@ -320,7 +341,41 @@ def test_symbolic_timeout_returns_false(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(rm, "_sympy_equal", lambda sympy, a, b: True)
     assert answers_match("3x", "x + 2x", timeout_s=1.0)
   finally:
-    rm._symbolic_match.cache_clear()
+    release.set()
+    rm._symbolic_match_cached.cache_clear()
+
+
+def test_timed_out_symbolic_checks_hold_their_slots_until_they_end(monkeypatch: pytest.MonkeyPatch) -> None:
+  """A timed-out check cannot be killed, so it keeps its slot: once every slot is held, a new check
+  runs nothing and counts as no match, uncached, and runs again once a slot is free; at most
+  ``_SYMPY_SLOTS`` threads ever compute, however many pathological answers come."""
+  release = threading.Event()
+  running = []
+
+  def equal(sympy: object, a: str, b: str) -> bool:
+    del sympy
+    running.append((a, b))
+    if "y" in a:  # the pathological answers
+      release.wait(600.0)
+    return True
+
+  monkeypatch.setattr(rm, "_import_sympy", lambda: object())
+  monkeypatch.setattr(rm, "_sympy_equal", equal)
+  rm._symbolic_match_cached.cache_clear()
+  try:
+    for k in range(2 * rm._SYMPY_SLOTS):
+      assert not answers_match(f"{k + 2}y", "y", timeout_s=0.05)
+    assert len(running) == rm._SYMPY_SLOTS  # the later ones never started a thread
+    assert not answers_match("3x", "x + 2x", timeout_s=0.05)  # no slot: not checked
+    assert len(running) == rm._SYMPY_SLOTS
+    release.set()
+    deadline = time.monotonic() + 60.0
+    while rm._SYMPY_SLOT._value < rm._SYMPY_SLOTS and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert answers_match("3x", "x + 2x", timeout_s=60.0)  # checked now: the refusal was not cached
+  finally:
+    release.set()
+    rm._symbolic_match_cached.cache_clear()
 
 
 # ---- reward components --------------------------------------------------------------------
@@ -338,6 +393,7 @@ def test_symbolic_timeout_returns_false(monkeypatch: pytest.MonkeyPatch) -> None
     ("\\boxed{\\frac{3}{4}}", "0.75", 1.0, 1.0),
     ("#### 12 or 13", "12", 0.0, 1.0),
     ("", "5", 0.0, 0.0),
+    ("\\boxed{5^2}", "5", 0.0, 1.0),  # 25, not 5 with a unit's square
   ],
 )
 def test_math_reward(completion: str, gold: str, correct: float, formatted: float) -> None:

@@ -23,6 +23,7 @@ Length shaping (overlong penalties) is the trainer's job, not a reward source's.
 
 from __future__ import annotations
 
+import decimal
 import json
 import math
 import numbers
@@ -71,18 +72,19 @@ def find_json(text: str) -> tuple[Any, str] | None:
 
   Returns:
     ``(value, where)`` with ``where`` ``"whole"`` or ``"fenced"``, or None if there is no
-    valid JSON in either place.  ``value`` may be None (the JSON ``null``).
+    valid JSON in either place (a value nested deeper than Python's parser goes counts as none).
+    ``value`` may be None (the JSON ``null``).
   """
   try:
     return _loads_strict(text.strip()), "whole"
-  except ValueError:
+  except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's parser goes
     pass
   m = _JSON_FENCE_RE.search(text)
   if m is None:
     return None
   try:
     return _loads_strict(m.group(1).strip()), "fenced"
-  except ValueError:
+  except (ValueError, RecursionError):
     return None
 
 
@@ -375,7 +377,8 @@ def _gold_answer(sample: RewardSample) -> str:
   answer = sample.row["answer"]
   if isinstance(answer, bool) or not isinstance(answer, (str, numbers.Real)):
     raise ValueError(f"sample.row['answer'] must be a string or a number, got {type(answer).__name__}")
-  answer = str(answer)
+  # A float as written in decimal: str() gives "1e-05", which no answer matches.
+  answer = format(decimal.Decimal(repr(float(answer))), "f") if isinstance(answer, float) else str(answer)
   if "####" in answer:
     found = extract_answer_with_source(answer)
     if found is not None and found[1] == "hash":

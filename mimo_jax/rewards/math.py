@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fractions
 import functools
+import logging
 import re
 import threading
 from types import ModuleType
@@ -84,19 +85,36 @@ def _balanced_brace_content(text: str, start: int) -> str | None:
   return None
 
 
-def _last_hash_answer(text: str) -> str | None:
-  answers = [m.group(1).strip() for m in _HASH_RE.finditer(text)]
-  answers = [a for a in answers if a]
+def _last_hash_answer(text: str) -> tuple[int, str] | None:
+  """The last non-empty ``#### x`` and where it starts."""
+  answers = [(m.start(), m.group(1).strip()) for m in _HASH_RE.finditer(text)]
+  answers = [a for a in answers if a[1]]
   return answers[-1] if answers else None
 
 
-def _last_boxed_answer(text: str) -> str | None:
-  answers = []
-  for m in _BOXED_RE.finditer(text):
-    content = _balanced_brace_content(text, m.end())
-    if content is not None and content.strip():
-      answers.append(content.strip())
-  return answers[-1] if answers else None
+def _closing_braces(text: str) -> dict[int, int]:
+  """``{index of a "{": index of the "}" that closes it}`` for every closed brace, in one pass (a
+  scan from each opening brace would take time quadratic in a text of many unclosed ones)."""
+  closes, open_at = {}, []
+  for i, c in enumerate(text):
+    if c == "{":
+      open_at.append(i)
+    elif c == "}" and open_at:
+      closes[open_at.pop()] = i
+  return closes
+
+
+def _last_boxed_answer(text: str) -> tuple[int, str] | None:
+  """The last complete, non-empty ``\\boxed{x}`` and where it starts."""
+  starts = list(_BOXED_RE.finditer(text))
+  if not starts:
+    return None
+  closes = _closing_braces(text)
+  for m in reversed(starts):
+    end = closes.get(m.end() - 1)
+    if end is not None and text[m.end() : end].strip():
+      return m.start(), text[m.end() : end].strip()
+  return None
 
 
 def _last_phrase_answer(text: str) -> str | None:
@@ -115,9 +133,9 @@ def _last_phrase_answer(text: str) -> str | None:
 def extract_answer_with_source(text: str, *, fallback_last_number: bool = False) -> tuple[str, AnswerSource] | None:
   """Finds the final answer in ``text`` and says which form it was written in.
 
-  Precedence: the last non-empty ``#### x`` (rest of that line), else the last complete
-  ``\\boxed{x}`` (braces balanced, nesting allowed; an unclosed one is ignored), else the
-  last "the answer is x" / "Answer: x" phrase (cut at the end of its sentence), else,
+  Precedence: of the last non-empty ``#### x`` (rest of that line) and the last complete
+  ``\\boxed{x}`` (braces balanced, nesting allowed; an unclosed one is ignored), the one written
+  later; else the last "the answer is x" / "Answer: x" phrase (cut at the end of its sentence), else,
   only when ``fallback_last_number`` is set, the last number anywhere in the text.
 
   The answer is returned as written, only stripped of surrounding whitespace (and, for
@@ -131,12 +149,13 @@ def extract_answer_with_source(text: str, *, fallback_last_number: bool = False)
   Returns:
     ``(answer, source)`` or None when no answer is found.
   """
-  answer = _last_hash_answer(text)
-  if answer is not None:
-    return answer, "hash"
-  answer = _last_boxed_answer(text)
-  if answer is not None:
-    return answer, "boxed"
+  # Of the two markers, the one written last: a Markdown "#### Final Answer" heading above a
+  # "\\boxed{7}" is not the answer.
+  hashed, boxed = _last_hash_answer(text), _last_boxed_answer(text)
+  if hashed is not None and (boxed is None or hashed[0] > boxed[0]):
+    return hashed[1], "hash"
+  if boxed is not None:
+    return boxed[1], "boxed"
   answer = _last_phrase_answer(text)
   if answer is not None:
     return answer, "phrase"
@@ -194,8 +213,9 @@ _NUMBER_FORMS = (
   ("fraction", re.compile(rf"{_SIGN}(?P<n>{_DEC})\s*/\s*(?P<d>{_DEC}){_REST}", re.DOTALL)),
   ("decimal", re.compile(rf"{_SIGN}(?P<n>{_DEC}){_REST}", re.DOTALL)),
 )
-# Squares and cubes in units ("m^2", "cm²") are part of the unit, not a second number.
-_UNIT_POWER_RE = re.compile(r"\^\s*\{?\s*[23]\s*\}?|[²³]")
+# Squares and cubes in units ("m^2", "cm²") are part of the unit, not a second number; a power
+# after no letter ("5^2") is an operation, not a unit.
+_UNIT_POWER_RE = re.compile(r"(?<=[^\W\d_])\s*(?:\^\s*\{?\s*[23]\s*\}?|[²³])")
 _UNIT_PUNCTUATION = frozenset("°.'/-()")
 # Words that turn "5 <words>" into something other than a quantity of 5 units.
 _CONNECTIVES = frozenset({"or", "and", "to", "plus", "minus", "times", "divided", "over", "between", "not"})
@@ -260,7 +280,8 @@ def normalize_number(s: str) -> fractions.Fraction | None:
 
   Refused (None): anything with a second number or a connective after the first
   (``"12 or 13"``, ``"3 to 4 hours"``), ill-formed digit groups (``"1,2345"``), zero
-  denominators, scientific notation, and non-numeric text.
+  denominators, scientific notation, a bare power (``"5^2"``; a power is a unit's, ``"m^2"``), numbers
+  longer than Python converts (4300 digits), and non-numeric text.
 
   Args:
     s: an answer string, typically from :func:`extract_answer`.
@@ -299,7 +320,7 @@ def normalize_number(s: str) -> fractions.Fraction | None:
         value = _to_fraction(m.group("n")) / _to_fraction(m.group("d"))
       else:
         value = _to_fraction(m.group("n"))
-    except ZeroDivisionError:
+    except (ZeroDivisionError, ValueError):  # ValueError: past Python's limit on digits (4300)
       return None
     return -value if m.group("sign") == "-" else value
   return None
@@ -442,14 +463,29 @@ def _sympy_equal(sympy: Any, a: str, b: str) -> bool:
   return bool(diff == 0)
 
 
+# At most this many symbolic checks run at once.  A check that timed out keeps running (a thread
+# cannot be killed) and holds its slot until it ends, so a stream of pathological answers leaves at
+# most this many threads computing beside the trainer, not one per answer.
+_SYMPY_SLOTS = 2
+_SYMPY_SLOT = threading.BoundedSemaphore(_SYMPY_SLOTS)
+
+
+class _SlotBusy(Exception):
+  """Every slot is held by an earlier symbolic check that timed out."""
+
+
 def _call_with_timeout(fn: Any, timeout_s: float) -> Any:
   """Runs ``fn()`` in a daemon thread; returns its result, or None on timeout or error.
 
   A thread rather than SIGALRM because signals only work on the main thread and would
   clash with handlers the trainer installs.  A thread cannot be killed, so a timed-out
-  check keeps running in the background; the input restrictions of
-  :func:`_to_sympy_source` keep that work bounded.
+  check keeps running in the background, holding a slot of :data:`_SYMPY_SLOT`: while all are
+  held, the next check waits up to ``timeout_s`` for one and then raises :class:`_SlotBusy` (the
+  input restrictions of :func:`_to_sympy_source` bound each number's size, not how long sympy may
+  take).
   """
+  if not _SYMPY_SLOT.acquire(timeout=timeout_s):
+    raise _SlotBusy
   result: dict[str, Any] = {}
 
   def target() -> None:
@@ -457,6 +493,8 @@ def _call_with_timeout(fn: Any, timeout_s: float) -> Any:
       result["value"] = fn()
     except Exception:  # any parser or simplifier failure means "not shown equal"
       result["value"] = None
+    finally:
+      _SYMPY_SLOT.release()
 
   thread = threading.Thread(target=target, name="mimo-jax-sympy-check", daemon=True)
   thread.start()
@@ -465,7 +503,7 @@ def _call_with_timeout(fn: Any, timeout_s: float) -> Any:
 
 
 @functools.lru_cache(maxsize=4096)
-def _symbolic_match(pred: str, gold: str, timeout_s: float) -> bool:
+def _symbolic_match_cached(pred: str, gold: str, timeout_s: float) -> bool:
   # Cached, timeouts included: an RL group often repeats the same odd answer, and a
   # pathological one should cost one time limit, not one per sample.
   sympy = _import_sympy()
@@ -475,6 +513,26 @@ def _symbolic_match(pred: str, gold: str, timeout_s: float) -> bool:
   if a is None or b is None:
     return False
   return _call_with_timeout(lambda: _sympy_equal(sympy, a, b), timeout_s) is True
+
+
+_busy_warned = False
+
+
+def _symbolic_match(pred: str, gold: str, timeout_s: float) -> bool:
+  """:func:`_symbolic_match_cached`, or False (not cached: it may be checked later) while every
+  slot is held by a check that timed out."""
+  global _busy_warned
+  try:
+    return _symbolic_match_cached(pred, gold, timeout_s)
+  except _SlotBusy:
+    if not _busy_warned:
+      _busy_warned = True
+      logging.warning(
+        "%d symbolic answer checks that timed out are still running; answers that only sympy could "
+        "match count as no match until one ends",
+        _SYMPY_SLOTS,
+      )
+    return False
 
 
 def answers_match(pred: str | None, gold: str, *, timeout_s: float = 1.0) -> bool:
