@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from typing import Any
 
@@ -27,6 +28,8 @@ DTYPE_CHOICES = ("", "float32", "bfloat16", "float16")
 # The trainer's tasks (--task), and those that read prompt files (--data_path / --eval_data_path).
 TASK_NAMES = ("arith", "gsm8k", "humaneval", "jsonl")
 FILE_TASKS = ("gsm8k", "humaneval", "jsonl")
+# The tasks whose evaluation extracts an answer to vote on (maj@K): eval.evaluator.DEFAULT_ANSWER_FNS.
+MAJORITY_TASKS = ("arith", "gsm8k")
 SHAPE_FLAGS = ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
 
 
@@ -108,7 +111,7 @@ class ModelSpec:
   def __post_init__(self):
     check_fields(self)
     if self.hf_checkpoint:
-      for name in SHAPE_FLAGS:
+      for name in (*SHAPE_FLAGS, "vocab_size", "max_seq_len"):
         check(
           not getattr(self, name),
           name,
@@ -121,6 +124,21 @@ class ModelSpec:
   def shape_changes(self) -> dict[str, int]:
     """The shape flags that are set, as ModelConfig fields."""
     return {name: getattr(self, name) for name in SHAPE_FLAGS if getattr(self, name)}
+
+  def vocab_for(self, tokenizer_vocab: int) -> int:
+    """The vocabulary of a model built from the preset: ``--vocab_size``, else the tokenizer's.
+
+    Raises:
+      ConfigError: ``--vocab_size`` is set below the tokenizer's size (its ids past it would have no
+        embedding row: the embedding gather gives NaN for them).
+    """
+    check(
+      not self.vocab_size or self.vocab_size >= tokenizer_vocab,
+      "vocab_size",
+      self.vocab_size,
+      f"is smaller than the tokenizer's {tokenizer_vocab} tokens; leave it at 0 or set at least {tokenizer_vocab}",
+    )
+    return self.vocab_size or tokenizer_vocab
 
   def model_config(self) -> ModelConfig:
     """The resolved ModelConfig for a preset (HF checkpoints resolve their own on load)."""
@@ -362,6 +380,12 @@ class AlgoConfig:
       self.kl_coef_min,
       f"must be <= --kl_coef_max={self.kl_coef_max}",
     )
+    check(
+      self.entropy_controller == "fixed" or self.entropy_coef <= self.entropy_coef_max,
+      "entropy_coef",
+      self.entropy_coef,
+      f"a controlled coefficient starts at most --entropy_coef_max={self.entropy_coef_max}",
+    )
     if self.kl_controller != "fixed":
       check(self.kl_coef > 0, "kl_controller", self.kl_controller, "needs a reference: set --kl_coef > 0")
       check(
@@ -562,6 +586,18 @@ class DataConfig:
       "digit_reward_weight",
       self.digit_reward_weight,
       f"is the arithmetic task's component; --task={self.task} has no arith",
+    )
+    check(
+      self.format_reward_weight == 0 or any(name == "gsm8k" for name, _ in mix),
+      "format_reward_weight",
+      self.format_reward_weight,
+      f"is the gsm8k task's component; --task={self.task} has no gsm8k",
+    )
+    check(
+      not self.curriculum or self.curriculum_pool >= self.prompts_per_step,
+      "curriculum_pool",
+      self.curriculum_pool,
+      f"must hold at least --prompts_per_step={self.prompts_per_step} problems (a step's prompts are distinct)",
     )
     low, high = self.curriculum_band
     check(
@@ -914,6 +950,17 @@ ADDED_SETTINGS = {
 ADDED_FROM = {"optim": {"sft_grad_clip": "grad_clip"}}
 
 
+def hf_max_positions(path: str) -> int | None:
+  """A Hugging Face checkpoint's ``max_position_embeddings`` (2048 where unset, as it is loaded), or
+  None where its ``config.json`` cannot be read (loading it then says why)."""
+  try:
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+      value = json.load(f).get("max_position_embeddings", 2048)
+  except (OSError, ValueError, AttributeError):
+    return None
+  return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def validate(cfg: Config, num_devices: int) -> None:
   """Cross-concern checks that need the device count; raises ConfigError.
 
@@ -938,6 +985,21 @@ def validate(cfg: Config, num_devices: int) -> None:
   cfg.mesh.resolve(num_devices)
   if not cfg.model.hf_checkpoint:
     validate_model_on_mesh(cfg.model.model_config(), cfg.mesh, num_devices)
+  if cfg.checkpoint.keep_best:
+    check(
+      cfg.data.eval_prompts > 0,
+      "keep_best",
+      cfg.checkpoint.keep_best,
+      "needs held-out evaluations: --eval_prompts=0 evaluates nothing",
+    )
+  if cfg.checkpoint.keep_best.startswith("maj@"):
+    without = [name for name, _ in cfg.data.task_mix if name not in MAJORITY_TASKS]
+    check(
+      not without,
+      "keep_best",
+      cfg.checkpoint.keep_best,
+      f"maj@K needs an answer to vote on, which only {', '.join(MAJORITY_TASKS)} extract (not {', '.join(without)})",
+    )
   if cfg.checkpoint.keep_best.startswith(("pass@", "maj@")):
     ks = default_ks(cfg.run.eval_samples)
     check(
@@ -958,6 +1020,13 @@ def validate(cfg: Config, num_devices: int) -> None:
     "num_samples",
     cfg.rollout.num_samples,
     f"group advantages ({cfg.algo.advantage}) need at least 2 samples per prompt",
+  )
+  check(
+    cfg.algo.advantage not in ADVANTAGE_ESTIMATORS or cfg.rollout.temperature > 0 or cfg.rollout.temperature_final > 0,
+    "temperature",
+    cfg.rollout.temperature,
+    f"greedy samples of a prompt are all alike, so group advantages ({cfg.algo.advantage}) are all 0; sample "
+    "(--temperature > 0)",
   )
   check(
     cfg.algo.overlong != "penalty" or cfg.algo.overlong_buffer < cfg.rollout.max_new_tokens,
@@ -994,12 +1063,11 @@ def validate(cfg: Config, num_devices: int) -> None:
     f"prompts per step ({cfg.data.prompts_per_step}) and micro-batch rows ({micro}) must be multiples of the "
     f"batch shards mesh_data*mesh_fsdp={data * fsdp}",
   )
-  if cfg.model.max_seq_len == 0 and not cfg.model.hf_checkpoint:
-    longest = max(cfg.rollout.buckets) + cfg.rollout.max_new_tokens
-    limit = cfg.model.model_config().max_seq_len
-    check(
-      longest <= limit,
-      "max_new_tokens",
-      cfg.rollout.max_new_tokens,
-      f"longest prompt bucket + max_new_tokens = {longest} exceeds the model's max_seq_len {limit}",
-    )
+  longest = max(cfg.rollout.buckets) + cfg.rollout.max_new_tokens
+  limit = hf_max_positions(cfg.model.hf_checkpoint) if cfg.model.hf_checkpoint else cfg.model.model_config().max_seq_len
+  check(
+    limit is None or longest <= limit,
+    "max_new_tokens",
+    cfg.rollout.max_new_tokens,
+    f"longest prompt bucket + max_new_tokens = {longest} exceeds the model's max_seq_len {limit}",
+  )

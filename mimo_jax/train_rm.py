@@ -141,7 +141,7 @@ def run_reward_model(cfg: Config, run_dir: str) -> dict[str, Any]:
     if cfg.model.hf_checkpoint:
       policy = load_hf(cfg.model.hf_checkpoint, mesh=mesh, dtype=cfg.model.param_dtype or "float32")
     else:
-      model_cfg = cfg.model.model_config().replace(vocab_size=cfg.model.vocab_size or tokenizer.vocab_size)
+      model_cfg = cfg.model.model_config().replace(vocab_size=cfg.model.vocab_for(tokenizer.vocab_size))
     print(
       f"reward model: {len(train)} training pairs, {len(heldout)} held-out ({source}; {skipped} problems "
       f"skipped, {malformed} malformed rows), {cfg.run.rm_steps} steps of {cfg.data.rm_batch_size}",

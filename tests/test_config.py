@@ -2,6 +2,7 @@
 
 import dataclasses
 import glob
+import json
 import os
 import re
 
@@ -65,6 +66,18 @@ def test_defaults_build():
     ),
     (["--train_prompts=16", "--task=arith:0.5,gsm8k:0.5"], "train_prompts=16.*does not combine with a mixture"),
     (["--train_prompts=-1"], "train_prompts=-1.*>= 0"),
+    (["--format_reward_weight=5"], "format_reward_weight=5.0: is the gsm8k task's component; --task=arith has no"),
+    (
+      ["--curriculum", "--curriculum_pool=4", "--prompts_per_step=8"],
+      "curriculum_pool=4: must hold at least --prompts_per_step=8",
+    ),
+    (
+      ["--entropy_controller=adaptive", "--entropy_coef=0.2", "--entropy_coef_max=0.05"],
+      "entropy_coef=0.2: a controlled coefficient starts at most --entropy_coef_max=0.05",
+    ),
+    # A Hugging Face checkpoint brings its own vocabulary and length: flags for them would be ignored.
+    (["--hf_checkpoint=ckpt", "--vocab_size=4096"], "vocab_size=4096.*leave --vocab_size at 0"),
+    (["--hf_checkpoint=ckpt", "--max_seq_len=4096"], "max_seq_len=4096.*leave --max_seq_len at 0"),
   ],
 )
 def test_bad_flags_fail_with_a_named_error(argv, pattern):
@@ -81,12 +94,57 @@ def test_bad_flags_fail_with_a_named_error(argv, pattern):
     (["--num_samples=1"], "num_samples=1.*at least 2 samples"),
     (["--num_minibatches=3"], "num_minibatches=3.*must divide"),
     (["--max_new_tokens=1000"], "max_new_tokens=1000.*exceeds the model's max_seq_len"),
+    # A length set on the command line is checked as the preset's is.
+    (["--max_seq_len=256", "--max_new_tokens=1000"], "max_new_tokens=1000.*= 1128 exceeds the model's max_seq_len 256"),
+    (["--temperature=0"], "temperature=0.0: greedy samples of a prompt are all alike, so group advantages"),
+    (["--keep_best=greedy_accuracy", "--eval_prompts=0"], "keep_best='greedy_accuracy': needs held-out evaluations"),
+    (
+      ["--task=humaneval", "--keep_best=maj@8", "--eval_samples=8"],
+      r"keep_best='maj@8': maj@K needs an answer to vote on, which only arith, gsm8k extract \(not humaneval\)",
+    ),
   ],
 )
 def test_incompatible_combinations_fail_validation(argv, pattern):
   cfg = parse_config(["prog", *argv])
   with pytest.raises(ConfigError, match=pattern):
     validate(cfg, 8)
+
+
+def test_the_combinations_beside_those_refused_pass_validation():
+  # Annealed from greedy, PPO greedy (no groups), a length inside a set limit, maj@K on tasks that vote.
+  for argv in (
+    ["--temperature=0", "--temperature_final=1"],
+    ["--temperature=0", "--advantage=gae", "--use_value_model"],
+    ["--max_seq_len=256", "--max_new_tokens=128"],
+    ["--task=arith:0.5,gsm8k:0.5", "--keep_best=maj@8", "--eval_samples=8"],
+  ):
+    validate(parse_config(["prog", *argv]), 8)
+
+
+def test_a_hugging_face_checkpoints_length_bounds_the_sequences(tmp_path):
+  """Its ``max_position_embeddings`` (from ``config.json``, before any weight is read) bounds the
+  longest prompt bucket plus ``--max_new_tokens``, as a preset's length does."""
+  (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 160}))
+  argv = ["prog", f"--hf_checkpoint={tmp_path}", "--prompt_buckets=96"]
+  validate(parse_config([*argv, "--max_new_tokens=64"]), 8)
+  with pytest.raises(ConfigError, match="max_new_tokens=65.*= 161 exceeds the model's max_seq_len 160"):
+    validate(parse_config([*argv, "--max_new_tokens=65"]), 8)
+
+
+def test_a_vocabulary_smaller_than_the_tokenizers_is_refused_before_any_compute(tmp_path, capsys):
+  # Token ids past the embedding would read NaN rows (the gather's fill): every logit NaN.
+  run_dir = tmp_path / "run"
+  assert main(["prog", "--model_preset=tiny", "--vocab_size=8", f"--run_dir={run_dir}"]) == 2
+  assert re.search(r"--vocab_size=8: is smaller than the tokenizer's \d+ tokens", capsys.readouterr().err)
+  assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+
+
+def test_a_reward_model_flag_that_names_no_reward_model_run_is_refused_before_any_compute(tmp_path, capsys):
+  run_dir = tmp_path / "run"
+  argv = ["prog", "--model_preset=tiny", f"--reward_model={tmp_path / 'none'}", f"--run_dir={run_dir}"]
+  assert main(argv) == 2
+  assert "--reward_model=" in capsys.readouterr().err
+  assert not (run_dir / "checkpoints").exists()
 
 
 def test_main_reports_config_errors_without_running(capsys):

@@ -69,7 +69,7 @@ def load_json_schema(text: str) -> Any:
 
 def check_reward_flags(data: Any) -> None:
   """The reward flags that name files or hold documents (``--json_schema``, ``--judge_checkpoint``,
-  ``--rm_pairs``), checked before any compute.
+  ``--rm_pairs``, ``--reward_model``), checked before any compute.
 
   Raises:
     ConfigError: naming the flag.
@@ -81,6 +81,14 @@ def check_reward_flags(data: Any) -> None:
     raise ConfigError(
       f"--judge_checkpoint={data.judge_checkpoint!r}: not a Hugging Face checkpoint directory (no config.json)"
     )
+  if data.reward_model:
+    from mimo_jax.rewards.reward_model import CHECKPOINT_SUBDIR
+
+    if not os.path.isdir(os.path.join(data.reward_model, CHECKPOINT_SUBDIR)):
+      raise ConfigError(
+        f"--reward_model={data.reward_model!r}: not a reward-model run directory (no {CHECKPOINT_SUBDIR}/ "
+        "checkpoints there; --mode=reward_model trains one)"
+      )
 
 
 def build_task_reward(

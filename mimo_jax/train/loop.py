@@ -268,7 +268,7 @@ class RLRun:
           f"vocabulary is {model.config.vocab_size}"
         )
     else:
-      vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
+      vocab = cfg.model.vocab_for(self.tokenizer.vocab_size)
       model_cfg = cfg.model.model_config().replace(vocab_size=vocab)
       seed = int(jax.random.randint(init_key, (), 0, 2**31 - 1))
       model = create_sharded(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed)), self.mesh)
