@@ -74,15 +74,16 @@ def _checksum_oracle(a: np.ndarray) -> int:
 
 def test_fingerprints_equal_their_definition_in_every_layout_and_earlier_releases_values(monkeypatch):
   """Each array's fingerprint is its numpy definition on the global array, whatever its layout (split on
-  one or two mesh axes, replicated in part or whole, on one device, uncommitted, a host value: each block
-  counted once, at its global positions); and the values of checkpoints written by earlier releases
-  (computed then) are unchanged, so those checkpoints still verify."""
+  one or two mesh axes, replicated in part or whole, on one device, on a mesh of one device, uncommitted, a
+  host value: each block counted once, at its global positions); and the values of checkpoints written by
+  earlier releases (computed then) are unchanged, so those checkpoints still verify."""
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
   from mimo_jax.ckpt import manager
 
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+  one_device = Mesh(np.array(jax.devices()[5:6]).reshape(1, 1), ("a", "b"))  # a second mesh, its block whole
   r = np.random.default_rng(0)
   values = {
     "f32": r.normal(size=(8, 12)).astype(np.float32),
@@ -103,6 +104,7 @@ def test_fingerprints_equal_their_definition_in_every_layout_and_earlier_release
     for i, spec in enumerate(layouts[name]):
       tree[f"{name}/{i}"] = jax.device_put(a, NamedSharding(mesh, spec))
     tree[f"{name}/device3"] = jax.device_put(a, jax.devices()[3])
+    tree[f"{name}/mesh_of_one"] = jax.device_put(a, NamedSharding(one_device, layouts[name][0]))
     tree[f"{name}/uncommitted"] = jax.numpy.asarray(a)
     tree[f"{name}/host"] = a
   expected = {key: _checksum_oracle(values[key.split("/")[0]]) for key in tree}

@@ -128,7 +128,7 @@ def _on_mesh(x: Any) -> bool:
   return all(n % math.prod(mesh.shape[a] for a in axes) == 0 for n, axes in zip(x.shape, splits, strict=True))
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def _mesh_checksums(mesh: Mesh, layout: tuple[tuple[tuple[int, ...], PartitionSpec], ...]) -> Any:
   """One program over ``mesh`` for arrays of ``layout`` (global shape, spec): every device sums its own
   block of each (bits * odd(global position), mod 2^32; the block's offsets from its mesh coordinates),
@@ -226,7 +226,8 @@ def fingerprint(tree: Any) -> dict[str, int]:
   for (_, ids), out, datas in zip(chunks, outs, fetched_mesh, strict=True):
     counted = [_counted_here(leaves[i].sharding, leaves[i].shape) for i in ids]
     for shard, data in zip(out.addressable_shards, datas, strict=True):
-      device = shard.index[0].start // len(ids)  # the device's place in the mesh's order
+      # The device's place in the mesh's order (a one-device mesh's only shard has the index slice(None)).
+      device = shard.index[0].indices(out.shape[0])[0] // len(ids)
       for k, i in enumerate(ids):
         if counted[k][device]:
           sums[i] += int(data[k])
