@@ -1,6 +1,7 @@
 """Every step a transaction: kill -9 and resume, corrupted checkpoints, SIGTERM, NaN
 rollback, --rollback_to, schema validation, export to Hugging Face."""
 
+import gc
 import json
 import os
 import shutil
@@ -160,6 +161,9 @@ def test_metrics_hold_each_step_once(finished_run):
   assert [s for s in steps if s >= 1] == [1, 2, 3, 4, 5, 6, 7]  # 7 = the final evaluation
 
 
+# Orbax's failed read of the truncated file leaves coroutines of its other reads behind; collected,
+# they report "Exception ignored" (into whichever test runs then). They are collected in this test.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_truncated_checkpoint_falls_back_to_the_previous_one(finished_run, tmp_path, capsys):
   from mimo_jax.train.loop import RLRun
 
@@ -175,6 +179,8 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(finished_run, tmp_p
   out = capsys.readouterr().out
   assert "checkpoint 13" in out and "falling back" in out
   assert restored.phase == "rl" and restored.step == 5  # checkpoint 12
+  del restored
+  gc.collect()
 
 
 # A run written by the release before the guarded optimizer (checkpoint metadata version 1: each
@@ -265,6 +271,35 @@ def test_resume_of_a_finished_run_changes_nothing(finished_run, tmp_path, capsys
   assert main(["prog", *SMALL, f"--run_dir={run_dir}"]) == 0
   assert "already complete" in capsys.readouterr().out
   assert kill_resume.compare(str(finished_run), str(run_dir)) == []
+
+
+def test_a_kill_after_the_final_save_before_the_summary_resumes_to_the_same_run(finished_run, tmp_path, capsys):
+  """The final checkpoint is written, then the summary: killed in between, the resume finds the final
+  record committed and no summary.  It writes both again, each record once, and completes as the
+  uninterrupted run (the final checkpoint is not saved twice)."""
+  run_dir = _copy(finished_run, tmp_path)
+  (run_dir / "summary.json").unlink()
+  assert main(["prog", *SMALL, f"--run_dir={run_dir}"]) == 0
+  assert "already complete" not in capsys.readouterr().out
+  assert (run_dir / "summary.json").exists()
+  assert kill_resume.compare(str(finished_run), str(run_dir)) == []
+  steps = [r["step"] for r in _metrics(run_dir)]
+  assert len(steps) == len(set(steps)) and max(steps) == 7
+  assert main(["prog", *SMALL, f"--run_dir={run_dir}"]) == 0
+  assert "already complete" in capsys.readouterr().out
+
+
+def test_a_finished_run_continued_to_more_steps_logs_each_step_once(finished_run, tmp_path):
+  """A larger --max_steps on a finished run goes on from its final checkpoint: the old final
+  evaluation's record (step 7) gives way to RL step 7's, and the new final evaluation is step 9."""
+  run_dir = _copy(finished_run, tmp_path)
+  flags = [f for f in SMALL if not f.startswith("--max_steps")]
+  assert main(["prog", *flags, "--max_steps=8", f"--run_dir={run_dir}"]) == 0
+  rows = _metrics(run_dir)
+  steps = [r["step"] for r in rows]
+  assert len(steps) == len(set(steps)) and [s for s in steps if s >= 1] == list(range(1, 10))
+  by_step = {r["step"]: r for r in rows}
+  assert "reward_mean" in by_step[7] and "reward_mean" in by_step[8] and "eval/greedy_accuracy" in by_step[9]
 
 
 def test_export_loads_in_transformers(finished_run, tmp_path):

@@ -689,6 +689,10 @@ class RLRun:
 
   def open_logger(self, restored: Restored | None) -> None:
     keep = None if restored is None else restored.meta["log_step"]
+    if restored is not None and restored.phase == "rl" and restored.step < self.cfg.run.max_steps:
+      # A finished run's final checkpoint, continued to a larger --max_steps: its final evaluation's
+      # record (log step old max_steps + 1) gives way to the next RL step's.
+      keep = min(keep, restored.step)
     sink = None
     lg = self.cfg.logging
     if lg.wandb_project and multihost.is_primary():
@@ -703,7 +707,7 @@ class RLRun:
       )
     self.logger = self.dir.logger(tensorboard=lg.tensorboard, keep_through=keep, wandb=sink)
     pending = (restored.meta.get("log_record") if restored is not None else None) or {}
-    if pending and self.logger.last_step < pending["record"]["step"]:
+    if pending and self.logger.last_step < pending["record"]["step"] <= keep:
       # Killed after the save and before its step was logged: the checkpoint holds the record (the
       # save's own time is unknown there).
       record = {**pending["record"], "time_checkpoint_s": None}
@@ -1295,15 +1299,29 @@ def _finish(
 ) -> dict[str, Any]:
   """The final evaluation, the last checkpoint and ``summary.json``."""
   cfg = run.cfg
-  # --max_steps=0 (a warm-start source): the final policy is the warm start, evaluated already.
-  final = dict(warm) if step == 0 else run.evaluate(state.params)
-  run.logger.log(cfg.run.max_steps + 1, {f"eval/{k}": v for k, v in final.items()})
-  if step == 0:
-    # --max_steps=0 (a run stopped after its warm start): RL step 0 was committed by the SFT -> RL
-    # transition; it is written again with the final record.
-    run.ckpt.delete_after(run.global_step("rl", 0) - 1)
-  run.save("rl", step, state, cfg.run.max_steps + 1, warm)
-  run.keep_if_best(step, state, cfg.run.max_steps + 1, final, warm)
+  final_step = cfg.run.max_steps + 1  # the final evaluation's log step
+  committed = restored is not None and restored.phase == "rl" and restored.meta["log_step"] == final_step
+  pending = restored.meta.get("log_record") if committed and restored.step == step else None
+  if pending:
+    # Killed after the final checkpoint and before the summary: the final record travels in that
+    # checkpoint (the logger wrote it if the kill came before its line); nothing is evaluated or saved
+    # again, so the run ends as the uninterrupted one did, loop key included.
+    final = {k.removeprefix("eval/"): v for k, v in pending["record"].items() if k.startswith("eval/")}
+  else:
+    # --max_steps=0 (a warm-start source): the final policy is the warm start, evaluated already.
+    final = dict(warm) if step == 0 else run.evaluate(state.params)
+    record = {f"eval/{k}": v for k, v in final.items()}
+    if run.global_step("rl", step) in run.ckpt.all_steps():
+      # Committed already: RL step 0 by the SFT -> RL transition (--max_steps=0, a run stopped after its
+      # warm start), or the final checkpoint of an earlier release's run killed before its summary.  It
+      # is written again with the final record.
+      run.ckpt.delete_after(run.global_step("rl", step) - 1)
+    # Saved before it is logged, as every step is: the record travels in the checkpoint.
+    run.save(
+      "rl", step, state, final_step, warm, log_record={"record": run.logger.record(final_step, record), "samples": []}
+    )
+    run.logger.log(final_step, record)
+  run.keep_if_best(step, state, final_step, final, warm)
   summary = {
     "experiment": cfg.run.experiment,
     "seed": cfg.run.seed,
