@@ -16,6 +16,7 @@ import sys
 from flax import nnx
 
 from mimo_jax.ckpt import Checkpointer
+from mimo_jax.ckpt.manager import CheckpointCorrupted
 from mimo_jax.models import ModelConfig, Transformer, save_hf
 
 
@@ -35,20 +36,34 @@ def _unwrap_variables(tree):
 def export(run_dir: str, out: str, *, step: int | None = None, dtype: str | None = None) -> int:
   """Writes checkpoint ``step`` (default: the latest intact one) of ``run_dir`` to ``out``.
 
+  The policy's parameters are verified against their fingerprints before anything is written.  Without
+  ``step``, a corrupted checkpoint is passed over (with a warning) for the one before it.
+
   Returns:
     The checkpoint step exported.
+
+  Raises:
+    FileNotFoundError: no checkpoints, or not ``step``.
+    CheckpointCorrupted: ``step`` (or, without it, every checkpoint) is unreadable or does not match its
+      fingerprints.
   """
   ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), async_save=False, read_only=True)
   try:
-    step = ckpt.resolve_step(step)
-    meta = ckpt.read_meta(step)
+    steps = [ckpt.resolve_step(step)] if step is not None else list(reversed(ckpt.all_steps()))
+    if not steps:
+      ckpt.resolve_step(None)  # raises: no checkpoints
+    for i, step in enumerate(steps):  # noqa: B007 - the step found is the one exported
+      try:
+        tree, meta = ckpt.restore_untyped_part(step, ["params"])
+        break
+      except CheckpointCorrupted as e:
+        if i + 1 == len(steps):
+          raise
+        print(f"warning: {e}; exporting an earlier checkpoint", file=sys.stderr, flush=True)
     cfg = model_config_from_meta(meta)
     graphdef, abs_params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-    # Restore the checkpoint's own tree (optimizer included) and keep the policy.
-    tree = ckpt.restore_untyped(step)
     nnx.replace_by_pure_dict(abs_params, _unwrap_variables(tree["params"]))
-    model = nnx.merge(graphdef, abs_params)
-    save_hf(model, out, dtype=dtype)
+    save_hf(nnx.merge(graphdef, abs_params), out, dtype=dtype)
     return step
   finally:
     ckpt.close()
@@ -58,12 +73,12 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--run_dir", required=True)
   parser.add_argument("--out", required=True)
-  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest intact one)")
   parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
   args = parser.parse_args(argv)
   try:
     step = export(args.run_dir, args.out, step=args.step, dtype=args.dtype)
-  except FileNotFoundError as e:
+  except (FileNotFoundError, CheckpointCorrupted) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(f"exported checkpoint {step} of {args.run_dir} to {args.out}")

@@ -327,6 +327,29 @@ def test_export_loads_in_transformers(finished_run, tmp_path):
   np.testing.assert_allclose(np.asarray(ours(jax.numpy.asarray(tokens))), ref, atol=1e-4)
 
 
+def test_export_verifies_the_policy_and_passes_over_a_corrupted_checkpoint(finished_run, tmp_path, capsys):
+  """Export checks the parameters against their fingerprints before writing: the latest checkpoint's
+  recorded fingerprint of one weight no longer matches (as after a flipped bit), so the default exports
+  the checkpoint before it, with a warning, and naming that step is an error that writes nothing."""
+  from mimo_jax.ckpt.manager import CheckpointCorrupted
+  from mimo_jax.export import export
+  from mimo_jax.export import main as export_main
+
+  run_dir = _copy(finished_run, tmp_path)
+  path = run_dir / "checkpoints" / "13" / "meta" / "metadata"
+  meta = json.loads(path.read_text())
+  name = next(k for k in sorted(meta["fingerprint"]) if k.startswith("params/"))
+  meta["fingerprint"][name] = (meta["fingerprint"][name] + 1) % (1 << 32)
+  path.write_text(json.dumps(meta))
+  assert export(str(run_dir), str(tmp_path / "hf")) == 12
+  assert f"checkpoint 13: contents do not match their fingerprints ({name})" in capsys.readouterr().err
+  assert transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")) is not None
+  with pytest.raises(CheckpointCorrupted, match="checkpoint 13"):
+    export(str(run_dir), str(tmp_path / "hf13"), step=13)
+  assert export_main(["--run_dir", str(run_dir), "--out", str(tmp_path / "hf13"), "--step", "13"]) == 2
+  assert "error: checkpoint 13" in capsys.readouterr().err and not (tmp_path / "hf13").exists()
+
+
 def test_nan_updates_are_skipped_then_rolled_back(tmp_path, capsys):
   from mimo_jax.train.loop import train
 

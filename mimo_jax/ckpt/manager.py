@@ -22,7 +22,7 @@ import functools
 import math
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -359,7 +359,10 @@ class Checkpointer:
     Raises:
       CheckpointCorrupted: unreadable files, invalid metadata, a missing entry or a fingerprint mismatch.
     """
-    meta = self.read_meta(step)
+    try:
+      meta = self.read_meta(step)
+    except Exception as e:  # noqa: BLE001 - unreadable or invalid metadata means this step is unusable
+      raise CheckpointCorrupted(f"checkpoint {step}: metadata could not be read: {type(e).__name__}: {e}") from e
     path = os.path.join(self.directory, str(step), "state")
     try:
       restored = ocp.PyTreeCheckpointer().restore(
@@ -387,6 +390,24 @@ class Checkpointer:
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata)
     restored = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
     return restored.state
+
+  def restore_untyped_part(self, step: int, names: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Top-level entries ``names`` of ``step`` on this process's first device, whatever mesh saved
+    them, verified against their fingerprints (:meth:`restore_part`), and the step's metadata.
+
+    Raises:
+      CheckpointCorrupted: unreadable files or metadata, a missing entry or a fingerprint mismatch.
+    """
+    try:
+      metadata = self._mgr.item_metadata(step)["state"]
+      device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+      target = {
+        name: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata[name])
+        for name in names
+      }
+    except Exception as e:  # noqa: BLE001 - any unreadable description means this step is unusable
+      raise CheckpointCorrupted(f"checkpoint {step} could not be read: {type(e).__name__}: {e}") from e
+    return self.restore_part(step, target)
 
   def restore_latest(
     self, abstract_state: Callable[[dict[str, Any]], Any] | Any, *, at_most: int | None = None
