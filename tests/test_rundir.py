@@ -75,6 +75,37 @@ def test_another_configuration_is_refused_unless_overwrite(finished_run, tmp_pat
   assert _snapshot(run_dir) == before and sorted(os.listdir(run_dir / "checkpoints")) == steps
 
 
+def test_another_sft_step_count_is_refused(finished_run, tmp_path, capsys):
+  # Checkpoints are numbered SFT steps first: resumed with another count, the RL checkpoints would move.
+  run_dir = _copy(finished_run, tmp_path)
+  before = _snapshot(run_dir)
+  assert main(["prog", *SMALL, "--sft_steps=2", "--max_steps=7", f"--run_dir={run_dir}"]) == 2
+  assert "--sft_steps: 4 -> 2" in capsys.readouterr().err
+  assert _snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize("text", ['{"model": {"model_preset": "ti', "[]", '{"model": 5}', "null"])
+def test_a_config_json_that_is_no_runs_configuration_is_refused_by_name(tmp_path, text):
+  from mimo_jax.config_base import ConfigError
+  from mimo_jax.train.rundir import RunDir
+
+  (tmp_path / "config.json").write_text(text)
+  with pytest.raises(ConfigError, match=r"config.json: (unreadable|not a run's configuration).*--overwrite"):
+    RunDir(str(tmp_path)).claim({"model": {}}, overwrite=False)
+
+
+def test_overwrite_replaces_a_broken_config_json(finished_run, tmp_path, capsys):
+  """The refusal of an unreadable config.json says to pass --overwrite; that works (the old file is not
+  read) and gives the same run as a new directory."""
+  run_dir = _copy(finished_run, tmp_path)
+  text = (run_dir / "config.json").read_text()
+  (run_dir / "config.json").write_text(text[: len(text) // 2])
+  assert main(["prog", *SMALL, f"--run_dir={run_dir}"]) == 2
+  assert "config.json: unreadable" in capsys.readouterr().err
+  assert main(["prog", *SMALL, f"--run_dir={run_dir}", "--overwrite"]) == 0
+  assert kill_resume.compare(str(finished_run), str(run_dir)) == []
+
+
 def test_checkpoints_that_do_not_restore_are_refused_unless_overwrite(finished_run, tmp_path, capsys):
   run_dir = _copy(finished_run, tmp_path)
   for path in (run_dir / "checkpoints").rglob("*"):

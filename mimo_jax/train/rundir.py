@@ -42,6 +42,8 @@ IDENTITY = {
   "data": ("task", "tokenizer_path", "arith_levels", "arith_reverse", "data_path"),
   "rollout": ("num_samples",),
   "data_rows": ("prompts_per_step",),
+  # Checkpoints are numbered SFT steps first: another count would renumber the run's RL checkpoints.
+  "run": ("sft_steps",),
 }
 # Files a fresh start in place replaces (with --overwrite).
 RUN_FILES = (
@@ -153,9 +155,16 @@ def read_config(run_dir: str) -> dict[str, Any] | None:
     return None
   try:
     with open(path) as f:
-      return json.load(f)
+      data = json.load(f)
   except (OSError, ValueError) as e:
     raise ConfigError(f"{path}: unreadable ({e}); pass --overwrite to start afresh in this directory") from None
+  sections = {"data" if s == "data_rows" else s for s in IDENTITY}
+  if not isinstance(data, dict) or any(not isinstance(data.get(s, {}), dict) for s in sections):
+    raise ConfigError(
+      f"{path}: not a run's configuration (a JSON object of sections); pass --overwrite to start afresh in "
+      "this directory"
+    )
+  return data
 
 
 def clear(run_dir: str) -> None:
@@ -220,10 +229,11 @@ class RunDir:
     """
     if not self.writer:
       return
-    previous = read_config(self.path)
-    if overwrite:
+    if overwrite:  # the old run's config.json is not read: a broken one is replaced too
       clear(self.path)
-    elif previous is not None:
+      return
+    previous = read_config(self.path)
+    if previous is not None:
       mismatches = identity_mismatches(previous, config)
       if mismatches:
         raise ConfigError(
