@@ -106,6 +106,20 @@ def test_overwrite_replaces_a_broken_config_json(finished_run, tmp_path, capsys)
   assert kill_resume.compare(str(finished_run), str(run_dir)) == []
 
 
+def test_an_overwrite_refused_before_it_starts_keeps_the_old_run(finished_run, tmp_path, capsys):
+  """--overwrite sets the old run aside until the new one is built: a setting refused only then (here
+  more distinct problems than level 1 has) puts it back, whole."""
+  run_dir = _copy(finished_run, tmp_path)
+  before = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+  argv = ["prog", *SMALL, f"--run_dir={run_dir}", "--overwrite", "--arith_levels=1", "--train_prompts=20000"]
+  assert main(argv) == 2
+  assert "--train_prompts=20000" in capsys.readouterr().err
+  after = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+  assert after == before
+  assert main(["prog", *SMALL, f"--run_dir={run_dir}"]) == 0
+  assert "already complete" in capsys.readouterr().out
+
+
 def test_checkpoints_that_do_not_restore_are_refused_unless_overwrite(finished_run, tmp_path, capsys):
   run_dir = _copy(finished_run, tmp_path)
   for path in (run_dir / "checkpoints").rglob("*"):

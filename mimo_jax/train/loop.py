@@ -1137,7 +1137,14 @@ def train(cfg: Config, *, rollout_factory=None) -> dict[str, Any]:
   directory = rundir.RunDir(run_dir, writer=multihost.is_primary())
   with contextlib.ExitStack() as owned:
     _claim(directory, cfg, owned)
-    run = RLRun(cfg, run_dir, rollout_factory=rollout_factory)
+    try:
+      run = RLRun(cfg, run_dir, rollout_factory=rollout_factory)
+    except BaseException:
+      if cfg.checkpoint.overwrite:  # refused (or failed) before it started: the old run is put back
+        directory.settle_overwrite(started=False)
+      raise
+    if cfg.checkpoint.overwrite:
+      directory.settle_overwrite(started=True)
     try:
       restored = run.restore()  # refuses checkpoints none of which restores: nothing is written before
       # Rewritten on every start, resumes included: the sandbox record is this machine's.

@@ -167,14 +167,36 @@ def read_config(run_dir: str) -> dict[str, Any] | None:
   return data
 
 
-def clear(run_dir: str) -> None:
-  """Deletes a run's files (for ``--overwrite``); other files in the directory are left alone."""
+# Where --overwrite sets the old run's files aside until the new run is built (then they are deleted).
+SET_ASIDE = ".overwritten"
+
+
+def set_aside(run_dir: str) -> None:
+  """Moves a run's files into ``SET_ASIDE`` (for ``--overwrite``; one left by a start killed before
+  it settled is deleted first): :func:`put_back` restores them, :func:`clear` deletes them."""
+  aside = os.path.join(run_dir, SET_ASIDE)
+  if os.path.isdir(aside):
+    shutil.rmtree(aside)
+  os.makedirs(aside)
+  for name in RUN_FILES:
+    if os.path.lexists(os.path.join(run_dir, name)):
+      os.rename(os.path.join(run_dir, name), os.path.join(aside, name))
+
+
+def put_back(run_dir: str) -> None:
+  """Undoes :func:`set_aside`: deletes the run files made since and moves the old ones back."""
+  aside = os.path.join(run_dir, SET_ASIDE)
+  if not os.path.isdir(aside):
+    return
   for name in RUN_FILES:
     path = os.path.join(run_dir, name)
-    if os.path.isdir(path):
+    if os.path.isdir(path) and not os.path.islink(path):
       shutil.rmtree(path)
-    elif os.path.exists(path):
+    elif os.path.lexists(path):
       os.remove(path)
+  for name in os.listdir(aside):
+    os.rename(os.path.join(aside, name), os.path.join(run_dir, name))
+  os.rmdir(aside)
 
 
 class RunDir:
@@ -218,7 +240,8 @@ class RunDir:
     return RunDirLock(self.path) if self.writer else contextlib.nullcontext()
 
   def claim(self, config: dict[str, Any], *, overwrite: bool) -> None:
-    """Refuses a directory holding another configuration's run unless ``overwrite`` (which clears it first).
+    """Refuses a directory holding another configuration's run unless ``overwrite``, which sets its files
+    aside until :meth:`settle_overwrite` deletes them or puts them back.
 
     Args:
       config: the new run's ``Config.to_dict()``.
@@ -230,7 +253,7 @@ class RunDir:
     if not self.writer:
       return
     if overwrite:  # the old run's config.json is not read: a broken one is replaced too
-      clear(self.path)
+      set_aside(self.path)
       return
     previous = read_config(self.path)
     if previous is not None:
@@ -240,6 +263,16 @@ class RunDir:
           f"--run_dir={self.path} holds another configuration's run ({'; '.join(mismatches)}); resuming would "
           "train another model. Pass --overwrite to replace it, or choose another --run_dir"
         )
+
+  def settle_overwrite(self, *, started: bool) -> None:
+    """After ``claim(overwrite=True)``: the old run's files are deleted once the new run is built
+    (``started``), or put back when it is refused (nothing of the old run is lost to a refusal)."""
+    if not self.writer:
+      return
+    if started:
+      shutil.rmtree(os.path.join(self.path, SET_ASIDE), ignore_errors=True)
+    else:
+      put_back(self.path)
 
   # ---- files --------------------------------------------------------------------------------
 
