@@ -69,6 +69,7 @@ def test_gold_answers_of_every_shipped_row(name: str, count: int) -> None:
     ("Answer: $5", "$5", "phrase"),
     ("Final Answer: -7 apples", "-7 apples", "phrase"),
     ("Answer: 1\nAnswer: 2", "2", "phrase"),
+    ("**Final Answer**: 72", "72", "phrase"),  # Markdown bold closed before the colon
     # Explicit markers beat prose, wherever the prose is.
     ("#### 9\nThe answer is 10.", "9", "hash"),
     ("The answer is \\boxed{11}.", "11", "boxed"),
@@ -238,6 +239,8 @@ def test_answers_match(pred: str, gold: str) -> None:
     ("-5", "5"),
     ("", "5"),
     ("yes", "no"),
+    ("1 2", "12"),  # whitespace between digits separates two numbers
+    ("7 2", "72"),
   ],
 )
 def test_answers_do_not_match(pred: str, gold: str) -> None:

@@ -54,7 +54,8 @@ _HASH_RE = re.compile(r"####[ \t]*([^\n]*)")
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # "The (final) answer is: x" or "(Final) Answer: x".  A bare "answer" without "is" or ":"
 # is ordinary prose ("to answer this we ...") and must not trigger.
-_PHRASE_RE = re.compile(r"\b(?:final\s+)?answer\s*(?:is\b\s*:?|:)[ \t]*([^\n]*)", re.IGNORECASE)
+# Markdown bold may close between "answer" and the colon ("**Final Answer**: 72").
+_PHRASE_RE = re.compile(r"\b(?:final\s+)?answer\s*\**\s*(?:is\b\s*:?|:)[ \t]*([^\n]*)", re.IGNORECASE)
 # A phrase answer ends at the end of its sentence; a decimal point is never followed by a space.
 _SENTENCE_END_RE = re.compile(r"[.!?;](?=\s|$)")
 # Numbers for the opt-in fallback: optional sign, digits with optional thousands commas,
@@ -327,9 +328,11 @@ def normalize_number(s: str) -> fractions.Fraction | None:
 
 
 def _normalize_text(s: str) -> str:
-  """Case-, whitespace- and wrapper-insensitive form of a non-numeric answer."""
+  """Case-, whitespace- and wrapper-insensitive form of a non-numeric answer; whitespace between two
+  digits is kept (as one space): ``"1 2"`` is two numbers, not ``"12"``."""
   s = _clean(s).rstrip(".")
-  return re.sub(r"\s+", "", s).casefold()
+  s = re.sub(r"(?<=\d)\s+(?=\d)", " ", s)
+  return re.sub(r"(?<!\d)\s+|\s+(?!\d)", "", s).casefold()
 
 
 # ---- symbolic equivalence (optional sympy) ---------------------------------------------
