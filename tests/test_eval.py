@@ -218,6 +218,19 @@ def test_evaluate_policy_checks_its_arguments(arith):
     _evaluate(ScriptedSampler(tokenizer, greedy, samples, batch_shards=3), task, tokenizer, problems)
 
 
+def test_eval_rows_are_a_multiple_of_the_batch_shards_at_most_64():
+  """The rows of every evaluation call, for any sampler mesh: a multiple of its batch shards (which
+  :func:`evaluate_policy` requires), all held-out prompts when they fit, at most 64 (or one per shard)."""
+  from mimo_jax.eval.evaluator import eval_rows
+
+  for shards in range(1, 131):
+    for prompts in range(0, 301):
+      rows = eval_rows(prompts, shards)
+      assert rows % shards == 0 and shards <= rows <= max(64, shards)
+      assert rows >= min(prompts, 64 // shards * shards)
+  assert eval_rows(64, 8) == 64 and eval_rows(64, 3) == 63 and eval_rows(10, 3) == 12 and eval_rows(64, 24) == 48
+
+
 def test_samples_per_call_and_default_ks():
   assert samples_per_call(64, 16, None) == 64
   assert samples_per_call(64, 16, 256) == 16

@@ -419,9 +419,11 @@ def resolve_checkpoint(path: str) -> tuple[str, int | None]:
 
 
 def eval_rows(num_prompts: int, batch_shards: int) -> int:
-  """Prompts per evaluation call: the held-out prompts rounded up to the sampler's batch shards, at most 64
-  (one static shape for every call; the trainer and :func:`evaluate_checkpoint` use the same)."""
-  return max(batch_shards, min(64, -(-num_prompts // batch_shards) * batch_shards))
+  """Prompts per evaluation call: the held-out prompts rounded up to the sampler's batch shards, at most
+  the largest multiple of them up to 64 (at least one per shard); one static shape for every call (the
+  trainer and :func:`evaluate_checkpoint` use the same)."""
+  cap = max(batch_shards, 64 // batch_shards * batch_shards)
+  return min(cap, max(batch_shards, -(-num_prompts // batch_shards) * batch_shards))
 
 
 def _restore_policy(ckpt: Checkpointer, run_dir: str, step: int | None, mesh) -> tuple[Any, dict[str, Any], int]:
