@@ -502,7 +502,12 @@ class DataConfig:
     "prompt=prompt,answer=answer", "--task=jsonl: which JSONL fields hold the prompt and answer."
   )
   reward_workers: int = field(0, "Reward worker processes with per-sample timeouts (0: in-process).", ge=0)
-  reward_timeout_s: float = field(10.0, "Per-sample reward time limit in the workers (seconds).", gt=0)
+  reward_timeout_s: float = field(
+    10.0,
+    "Per-sample reward time limit in the workers (seconds). Tasks that run model-written code (humaneval) "
+    "give each program (this - 2) / 2 s, so a program that never ends fails its tests within the limit.",
+    gt=0,
+  )
   allow_weak_sandbox: bool = field(
     False,
     "Tasks that run model-written code (humaneval): go on where the sandbox has no kernel isolation (user, "
@@ -586,6 +591,12 @@ class DataConfig:
       "digit_reward_weight",
       self.digit_reward_weight,
       f"is the arithmetic task's component; --task={self.task} has no arith",
+    )
+    check(
+      self.reward_timeout_s >= 3 or not any(name == "humaneval" for name, _ in mix),
+      "reward_timeout_s",
+      self.reward_timeout_s,
+      "must be >= 3 with humaneval: each program run gets (this - 2) / 2 s, at least half a second",
     )
     check(
       self.format_reward_weight == 0 or any(name == "gsm8k" for name, _ in mix),

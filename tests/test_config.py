@@ -66,6 +66,7 @@ def test_defaults_build():
     ),
     (["--train_prompts=16", "--task=arith:0.5,gsm8k:0.5"], "train_prompts=16.*does not combine with a mixture"),
     (["--train_prompts=-1"], "train_prompts=-1.*>= 0"),
+    (["--task=humaneval", "--reward_timeout_s=2"], "reward_timeout_s=2.0: must be >= 3 with humaneval"),
     (["--format_reward_weight=5"], "format_reward_weight=5.0: is the gsm8k task's component; --task=arith has no"),
     (
       ["--curriculum", "--curriculum_pool=4", "--prompts_per_step=8"],

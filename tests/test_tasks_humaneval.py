@@ -292,3 +292,29 @@ def test_reward_components_flag_a_hack(task: HumanEvalTask) -> None:
   assert task.reward(problem, hack) == 0.0
   assert task.reward_components(problem, hack) == {"strict": 0.0, "weak": 1.0, "hacked": 1.0}
   assert task.reward_components(problem, problem.answer) == {"strict": 1.0, "weak": 1.0, "hacked": 0.0}
+
+
+@pytest.mark.parametrize("workers", [0, 1], ids=["in_process", "worker"])
+def test_a_program_that_never_ends_fails_its_tests_inside_the_reward_limit(workers: int) -> None:
+  """The trainer's task (built from the flags) runs each program for less than the reward call's limit,
+  so an infinite loop is a failing verdict (a valid 0, in the reward statistics) and not an outage of
+  the reward source (a failed component, counted as 0 and left out of them: under running
+  normalisation it would be paid more than a wrong answer); the hacking probe's two runs fit too."""
+  from mimo_jax.config import DataConfig
+  from mimo_jax.rewards.task_rewards import build_task_reward, reward_samples
+  from mimo_jax.tasks.registry import build_task
+
+  cfg = DataConfig(task="humaneval", reward_timeout_s=3.0)
+  task, _ = build_task(cfg, seed=0)
+  problem = task.train_problems()[0]
+  texts = [problem.answer, "    return None\n", "    while True:\n        pass\n"]
+  reward = build_task_reward(
+    task, workers=workers, timeout_s=cfg.reward_timeout_s, normalize="task_running", hacking_probe=True
+  )
+  try:
+    batch = reward(reward_samples([problem], texts, group_size=3, truncated=[False] * 3))
+  finally:
+    reward.close()
+  assert batch.errors == [] and not np.any(batch.failed["correct"]) and not np.any(batch.failed["hacked"])
+  assert list(batch.components["correct"]) == [1.0, 0.0, 0.0]
+  assert batch.rewards[2] == batch.rewards[1] < batch.rewards[0]

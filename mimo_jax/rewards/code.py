@@ -78,6 +78,7 @@ __all__ = [
   "CodeVerdict",
   "extract_code",
   "probe_components",
+  "program_timeout_s",
   "unit_test_result",
   "unit_test_reward",
   "weak_test_reward",
@@ -539,6 +540,23 @@ def weak_test_reward(
   if _unencodable(script) is not None:
     return 0.0
   return 1.0 if run_python(script, timeout_s=timeout_s, memory_mb=memory_mb).ok else 0.0
+
+
+# What ending a timed-out sandbox run may add to its clock: SIGTERM to the launcher, 1.5 s for it to kill
+# and reap the code, then its process group killed (``sandbox._stop``); rounded up.
+PROGRAM_TEARDOWN_S = 2.0
+
+
+def program_timeout_s(reward_timeout_s: float) -> float:
+  """The wall clock of one sandboxed program run under a reward call limited to ``reward_timeout_s``.
+
+  A reward component may run two programs (the hacking probe: strict and weak), each of which may take
+  its clock plus :data:`PROGRAM_TEARDOWN_S` to end; both must fit inside the call's limit.  Otherwise a
+  program that never ends outlives the call: the pool reports an outage (a failed component, counted as 0
+  and left out of the reward statistics) where the sandbox would have given a failing verdict, and under
+  running normalisation an infinite loop would earn more than a wrong answer.
+  """
+  return (reward_timeout_s - PROGRAM_TEARDOWN_S) / 2
 
 
 def probe_components(

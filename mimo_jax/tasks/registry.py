@@ -17,6 +17,7 @@ from typing import Any
 from mimo_jax.config import DataConfig
 from mimo_jax.config_base import ConfigError
 from mimo_jax.rewards import sandbox_policy
+from mimo_jax.rewards.code import program_timeout_s
 from mimo_jax.tasks import gsm8k, humaneval
 from mimo_jax.tasks.arith import ArithTask, build_tokenizer
 from mimo_jax.tasks.gsm8k import GSM8KTask
@@ -124,7 +125,8 @@ def _build_one(cfg: DataConfig, name: str) -> Any:
       return HumanEvalTask(
         cfg.data_path or None,
         cfg.eval_data_path or None,
-        timeout_s=cfg.reward_timeout_s,
+        # Inside the reward call's limit, so a program that never ends is a failing verdict, not an outage.
+        timeout_s=program_timeout_s(cfg.reward_timeout_s),
         loader=_tfds_loader(cfg, humaneval),
         # The same rule again in every process that runs a verification (reward workers probe anew).
         require_kernel_isolation=not cfg.allow_weak_sandbox,
