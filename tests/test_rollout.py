@@ -847,6 +847,39 @@ def test_greedy_matches_transformers_generate(tmp_path, arch):
     assert list(np.asarray(out.completion_tokens[i])) == ref[0, len(p) :].tolist(), f"prompt {i}"
 
 
+@pytest.mark.parametrize("top_k, top_p", [(50, 1.0), (0, 0.9)])
+def test_a_truncated_token_is_never_drawn_at_any_threshold(top_k, top_p):
+  """The draw at a threshold just below, at and just above every entry of the CDF the sampler computes
+  (every place a token's interval begins or ends), and at u = 0: always a token the truncation kept.
+  XLA:CPU's cumsum sums each prefix on its own, so the CDF wobbles by a last bit, up across removed
+  tokens and down elsewhere; counting the entries below the threshold drew removed tokens there."""
+  from mimo_jax.rollout.sampling import _invert_cdf
+
+  V = 4096
+  row = jnp.asarray(np.random.default_rng(0).normal(size=(1, V)).astype(np.float32) * 3)
+  truncated = truncate_logits(row, top_k=top_k, top_p=top_p)
+  kept = np.isfinite(np.asarray(truncated))[0]
+  assert 0 < kept.sum() < V
+  cdf = np.asarray(jnp.cumsum(jax.nn.softmax(truncated, axis=-1), axis=-1))[0]
+  u = (cdf / cdf[-1]).astype(np.float32)
+  u = np.concatenate([[0.0], u, np.nextafter(u, 0, dtype=np.float32), np.nextafter(u, 1, dtype=np.float32)])
+  u = np.clip(u, 0.0, np.nextafter(np.float32(1), 0, dtype=np.float32))  # uniform draws are in [0, 1)
+  draw = jax.jit(_invert_cdf)
+  tokens = np.concatenate([np.asarray(draw(jnp.asarray(chunk), truncated)) for chunk in np.array_split(u, 8)])
+  assert kept[tokens].all(), f"{(~kept[tokens]).sum()} removed tokens drawn"
+  # Every kept token is drawn at some threshold: the draw is not stuck on a few.
+  assert set(np.nonzero(kept)[0]) <= set(tokens.tolist())
+
+
+def test_a_uniform_of_exactly_zero_draws_a_kept_token():
+  # This row key's uniform is exactly 0 (probability 2^-23 a draw): it drew token 0, removed by top_k=1.
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(5752247), jnp.uint32(0)), 0)
+  assert float(jax.random.uniform(key, (), jnp.float32)) == 0.0
+  logits = jnp.asarray([[0.0, 5.0, 4.0, 3.0]])
+  tok, _, sampler_lp = sample_tokens(logits, key[None], jnp.ones((1,)), top_k=1)
+  assert int(tok[0]) == 1 and float(sampler_lp[0]) == 0.0
+
+
 # ----------------------------------------------------------------------------
 # Vocabulary limit: a model vocabulary larger than the tokenizer's
 # ----------------------------------------------------------------------------

@@ -171,15 +171,30 @@ def _inverse_cdf_sample(keys_b: jax.Array, logits_bv: jax.Array) -> jax.Array:
 
   One uniform number per row instead of the V Gumbel numbers of ``jax.random.categorical``:
   at V = 32k the Gumbel noise costs about as much as the decode step's matmuls on CPU.
-  Token j is chosen when ``cdf[j-1] < u * cdf[-1] <= cdf[j]``, so a token with zero
-  probability (a truncated one) can never be drawn.
+  The token is the first one of nonzero probability whose ``cdf`` reaches ``u * cdf[-1]`` (the last
+  such token where rounding leaves none), so a token with zero probability (a truncated one) is never
+  drawn.  Counting the entries below the threshold instead is only right on a CDF that never falls
+  and is flat across such tokens: XLA:CPU sums each prefix on its own (a reduce-window), which wobbles
+  by a last bit either way, and a ``u`` of exactly 0 counted nothing (token 0, whatever its
+  probability).  A row with no token of nonzero probability (NaN logits) gives token 0.
   """
+  u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_b)
+  return _invert_cdf(u, logits_bv)
+
+
+def _invert_cdf(u_b: jax.Array, logits_bv: jax.Array) -> jax.Array:
+  """The token of :func:`_inverse_cdf_sample` for uniforms ``u_b`` (``logits_bv``: ``[B, V]`` or one
+  row, ``[1, V]``, for all of them)."""
   probs = jax.nn.softmax(logits_bv, axis=-1)
   cdf = jnp.cumsum(probs, axis=-1)
-  u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_b)
-  threshold = u * cdf[:, -1]
-  idx = jnp.sum(cdf < threshold[:, None], axis=-1)
-  return jnp.minimum(idx, logits_bv.shape[-1] - 1).astype(jnp.int32)
+  threshold = u_b * cdf[:, -1]
+  V = logits_bv.shape[-1]
+  ids = jax.lax.broadcasted_iota(jnp.int32, logits_bv.shape, 1)
+  # One reduction: a kept token that reaches the threshold ranks by its id (the first wins), one that
+  # does not by 2V - 1 - id (the last wins, where none reaches it), a removed one at 2V.
+  rank = jnp.where(probs > 0, jnp.where(cdf >= threshold[:, None], ids, 2 * V - 1 - ids), 2 * V)
+  best = jnp.min(rank, axis=-1)
+  return jnp.where(best < V, best, jnp.where(best < 2 * V, 2 * V - 1 - best, 0)).astype(jnp.int32)
 
 
 def row_keys(key: jax.Array, batch: int) -> jax.Array:
