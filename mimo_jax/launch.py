@@ -8,8 +8,10 @@ Each process runs ``python -m mimo_jax.main <main flags> --coordinator_address=l
 This is how the multi-process tests run, and how a user reproduces a pod's control flow (one
 controller per host, collectives across processes, process 0 writing the run directory) on a laptop.
 
-Process 0's output is passed through; the others' is prefixed with ``[pI]``.  SIGTERM and SIGINT are
-forwarded to every process (the run saves at the next step boundary, all processes at the same step).
+Process 0's output is passed through; the others' is prefixed with ``[pI]``.  SIGTERM and SIGINT (a
+Ctrl-C) reach every process as SIGTERM: the run saves at the next step boundary, all processes at the
+same step.  The processes run in a session of their own, so a terminal's Ctrl-C reaches them only
+through the launcher, and each is killed by the kernel if the launcher dies (:mod:`mimo_jax.sweep.child`).
 If a process dies, the others end on their own once the coordinator misses its heartbeats
 (``--heartbeat_timeout_s``); the launcher then exits with the first non-zero exit status.
 """
@@ -35,12 +37,16 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def process_command(flags: Sequence[str], *, process_id: int, num_processes: int, port: int) -> list[str]:
-  """The command line of process ``process_id``."""
+def process_command(
+  flags: Sequence[str], *, process_id: int, num_processes: int, port: int, parent: int = 0
+) -> list[str]:
+  """The command line of process ``process_id``; with ``parent`` (a pid), through
+  :mod:`mimo_jax.sweep.child`, which dies with that process."""
+  wrapper = ["mimo_jax.sweep.child", f"--parent={parent}", "--"] if parent else ["mimo_jax.main"]
   return [
     sys.executable,
     "-m",
-    "mimo_jax.main",
+    *wrapper,
     *flags,
     f"--coordinator_address=localhost:{port}",
     f"--num_processes={num_processes}",
@@ -69,27 +75,31 @@ def _pump(stream, prefix: str, out) -> None:
 def launch(
   flags: Sequence[str], *, num_processes: int, devices_per_process: int = 4, port: int = 0, env=None
 ) -> list[int]:
-  """Starts the processes, forwards SIGTERM/SIGINT to them, waits for all; returns their exit statuses."""
+  """Starts the processes, passes SIGTERM and SIGINT on to them as SIGTERM, waits for all; returns their
+  exit statuses."""
   port = port or free_port()
   procs, pumps = [], []
   for i in range(num_processes):
     p = subprocess.Popen(
-      process_command(flags, process_id=i, num_processes=num_processes, port=port),
+      process_command(flags, process_id=i, num_processes=num_processes, port=port, parent=os.getpid()),
       env=process_env(devices_per_process, env),
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,
       bufsize=1,
+      start_new_session=True,  # a terminal's Ctrl-C reaches the launcher alone, which forwards it
     )
     procs.append(p)
     t = threading.Thread(target=_pump, args=(p.stdout, "" if i == 0 else f"[p{i}] ", sys.stdout), daemon=True)
     t.start()
     pumps.append(t)
 
-  def forward(signum, _frame):
+  def forward(_signum, _frame):
+    # SIGTERM for both: the trainer saves on it at its next step boundary, where a SIGINT would raise
+    # KeyboardInterrupt wherever each process happens to be (no save, not at one step).
     for p in procs:
       if p.poll() is None:
-        p.send_signal(signum)
+        p.send_signal(signal.SIGTERM)
 
   previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
   try:

@@ -203,6 +203,33 @@ def test_ppo_in_two_processes_interrupted_twice_equals_one_uninterrupted_process
   assert fb == fa and any(k.startswith("value/") for k in fb)
 
 
+def test_a_ctrl_c_to_the_launcher_saves_every_process_at_one_step(tmp_path):
+  """``python -m mimo_jax.launch``: a SIGINT to the launcher (a terminal's Ctrl-C) reaches both
+  processes as SIGTERM, so each saves at the same step boundary and exits cleanly (a SIGINT passed on
+  as itself raised KeyboardInterrupt wherever each was: no save).  The processes run in a session of
+  their own, so the terminal's signal reaches them only through the launcher."""
+  run = str(tmp_path / "run")
+  flags = [*GRPO, "--max_steps=40", "--checkpoint_every=0", f"--run_dir={run}"]
+  launcher = subprocess.Popen(
+    [sys.executable, "-m", "mimo_jax.launch", "--num_processes=2", "--devices_per_process=4", "--", *flags],
+    cwd=ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    start_new_session=True,
+  )
+  _wait_for_rl_step(run, 1, [launcher])
+  assert os.getpgid(launcher.pid) == launcher.pid
+  launcher.send_signal(signal.SIGINT)
+  out, _ = launcher.communicate(timeout=HANG_S)
+  assert launcher.returncode == 0, out
+  said = sorted(line for line in out.splitlines() if "preempted: state saved at RL step" in line)
+  assert len(said) == 2 and said[0] == "[p1] " + said[1], said  # both processes, the same step
+  saved = int(said[1].split("RL step ")[1].split(";")[0])
+  assert 1 <= saved < 40 and max(_rl_steps(run)) == saved
+  assert "KeyboardInterrupt" not in out
+
+
 REWARD_PATH = [GRPO[0], "--model_preset=tiny", "--prompts_per_step=8", "--num_samples=4", "--max_new_tokens=6"]
 
 
@@ -340,6 +367,9 @@ def test_the_launcher_refuses_bad_flags_and_describes_exits(capsys):
     "--num_processes=2",
     "--process_id=1",
   ]
+  # The launcher's processes die with it (mimo_jax.sweep.child asks the kernel to kill them).
+  cmd = process_command(["--seed=3"], process_id=0, num_processes=2, port=1234, parent=4321)
+  assert cmd[1:6] == ["-m", "mimo_jax.sweep.child", "--parent=4321", "--", "--seed=3"]
   env = process_env(4, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --other"})
   assert env["XLA_FLAGS"] == "--other --xla_force_host_platform_device_count=4" and env["JAX_PLATFORMS"] == "cpu"
   said = describe([-signal.SIGKILL, -signal.SIGABRT])

@@ -1,4 +1,4 @@
-"""A sweep's trainer process: ``python -m mimo_jax.sweep.child --parent=PID -- <main flags>``.
+"""A sweep's (or the launcher's) trainer process: ``python -m mimo_jax.sweep.child --parent=PID -- <main flags>``.
 
 It asks the kernel for SIGKILL when its parent (the sweep) dies (Linux ``prctl(PR_SET_PDEATHSIG)``),
 checks the parent is still the one that started it (a sweep killed in between would never deliver
@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
   with contextlib.suppress(OSError, AttributeError):  # not Linux: the sweep's SIGTERM still reaches it
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
   if os.getppid() != parent:
-    print(f"the sweep (pid {parent}) is gone; not starting", file=sys.stderr)
+    print(f"its parent (pid {parent}, the sweep or launcher) is gone; not starting", file=sys.stderr)
     return 3
   from mimo_jax.main import main as trainer
 
