@@ -222,6 +222,16 @@ def test_an_invalid_point_fails_the_sweep_before_anything_runs(tmp_path, capsys)
   assert "--run_dir is set by the sweep itself" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("line", ["--stop_at_step=30", "--rollback_to=5", "--mode=smoke", "--dry_run", "--overwrite"])
+def test_a_base_flagfile_that_sets_what_the_sweep_decides_is_refused(tmp_path, line):
+  # A --stop_at_step there outlived the gate's: the long run stopped at it, without a summary, every time.
+  base = tmp_path / "base.flags"
+  base.write_text(open(BASE).read() + line + "\n")
+  flag = line.lstrip("-").partition("=")[0]
+  with pytest.raises(ConfigError, match=f"--base=.*: --{flag}=.* there is set by the sweep itself"):
+    Sweep(base=str(base), axes=[parse_axis("num_layers=1")], out=str(tmp_path / "sweep"), num_devices=8)
+
+
 def test_a_rerun_with_another_definition_is_refused(tmp_path):
   sweep = Sweep(base=BASE, axes=[parse_axis("num_layers=1")], out=str(tmp_path), gate_steps=0, num_devices=8)
   sweep._claim()

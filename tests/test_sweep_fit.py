@@ -45,3 +45,20 @@ def test_the_exponent_stays_inside_its_range():
   # Three points that a step function fits best: the exponent runs to the top of its range, not past it.
   fit = fit_sigmoid([1e11, 1e12, 1e13], [0.03, 0.09, 0.09], r0=0.03, b_range=(0.1, 20.0))
   assert 0.1 <= fit.b <= 20.0
+
+
+def test_an_axis_that_does_not_move_compute_gets_no_fit_against_it():
+  """A learning-rate axis: its points' compute differs only by completion lengths (0.35% here), so there
+  is one compute value, not three, and the report fits nothing against it; points that do move compute
+  are fitted."""
+  from mimo_jax.sweep.report import _axis_fit
+
+  def stats(flops):
+    finals = [0.3 + 0.1 * i for i in range(3)]
+    return {"final_median": 0.4, "flops_median": flops, "finals": finals, "warm_median": 0.3}
+
+  flat = {f"lr{i}": stats(f) for i, f in enumerate([3.170e12, 3.175e12, 3.181e12])}
+  out = _axis_fit(list(flat), flat, {})
+  assert "fit" not in out and out["why"].startswith("1 distinct compute value(s) (more than 10% apart)")
+  moving = {f"d{i}": stats(f) for i, f in enumerate([1e12, 2e12, 4e12])}
+  assert "fit" in _axis_fit(list(moving), moving, {})

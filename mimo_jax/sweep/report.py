@@ -341,11 +341,28 @@ def _ci(ci: Mapping[str, tuple[float, float]], k: str) -> str:
   return f" [{lo:.3g}, {hi:.3g}]"
 
 
+# Compute values closer than this (relative) are one value to a fit against compute: the points of an
+# axis that does not change compute (learning rate, advantage) differ only by their completions' lengths.
+DISTINCT_COMPUTE = 0.1
+
+
+def _distinct(values: Sequence[float], rel: float = DISTINCT_COMPUTE) -> list[float]:
+  """The values, ascending, each kept only when more than ``rel`` above the last kept one."""
+  kept: list[float] = []
+  for v in sorted(values):
+    if not kept or v > kept[-1] * (1 + rel):
+      kept.append(v)
+  return kept
+
+
 def _axis_fit(members, stats, by_point) -> dict[str, Any]:
   pts = [p for p in members if stats[p]["final_median"] is not None and stats[p]["flops_median"]]
-  computes = sorted({round(stats[p]["flops_median"], -3) for p in pts})
+  computes = _distinct([stats[p]["flops_median"] for p in pts])
   if len(computes) < 3:
-    return {"why": f"{len(computes)} distinct compute value(s) among the finished points; the fit needs 3"}
+    return {
+      "why": f"{len(computes)} distinct compute value(s) (more than {DISTINCT_COMPUTE:.0%} apart) among the "
+      "finished points; the fit needs 3"
+    }
   pts.sort(key=lambda p: stats[p]["flops_median"])
   compute = [stats[p]["flops_median"] for p in pts]
   finals = [stats[p]["finals"] for p in pts]

@@ -218,6 +218,19 @@ class Sweep:
     self.gate_min_reward_change = gate_min_reward_change
     self.extra = tuple(extra)
     self.base_cfg = _parse([f"--flagfile={self.base}", *self.extra])
+    # The base flagfile may not set what the sweep decides either (its --run_dir and --seed are the
+    # defaults the sweep starts from): a --stop_at_step there outlived the gate's, so a run never finished.
+    b = self.base_cfg
+    for flag, value, unset in (
+      ("stop_at_step", b.run.stop_at_step, 0),
+      ("mode", b.run.mode, "train"),
+      ("dry_run", b.run.dry_run, False),
+      ("dry_run_topology", b.run.dry_run_topology, ""),
+      ("rollback_to", b.checkpoint.rollback_to, -1),
+      ("overwrite", b.checkpoint.overwrite, False),
+    ):
+      if value != unset:
+        raise ConfigError(f"--base={base}: --{flag}={value!r} there is set by the sweep itself; remove it")
     if isinstance(seeds, int):
       seeds = tuple(self.base_cfg.run.seed + i for i in range(seeds))
     self.seeds = seeds
