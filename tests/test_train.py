@@ -106,6 +106,44 @@ def test_update_changes_params_and_counts_steps():
   assert all(np.isfinite(float(v)) for v in metrics.values())
 
 
+@pytest.mark.parametrize("minibatches, epochs", [(1, 1), (4, 1), (2, 3)])
+def test_the_rl_schedule_spans_the_runs_rl_steps_whatever_the_updates_per_step(minibatches, epochs):
+  """The schedule advances once per applied update, ``num_minibatches x ppo_epochs`` of them per RL
+  step: at RL step k (that many updates later) it is the hand-computed warm-up and cosine of the run's
+  ``--warmup_steps`` and ``--max_steps`` (the pod presets take 4 minibatches: the warm-up ended at RL
+  step 5 of 20 and the cosine reached its floor at step 250 of 1000)."""
+  from mimo_jax.train.learner import rl_optimizer
+
+  flags = ["--learning_rate=2e-4", "--warmup_steps=20", "--max_steps=1000"]
+  cfg = parse_config(["prog", *flags, f"--num_minibatches={minibatches}", f"--ppo_epochs={epochs}"])
+  _, schedule = rl_optimizer(cfg)
+  for k in (0, 5, 19, 20, 250, 600, 1000):
+    hand = 2e-4 * k / 20 if k < 20 else 2e-4 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (k - 20) / 980)))
+    assert float(schedule(minibatches * epochs * k)) == pytest.approx(hand, rel=1e-5, abs=1e-12), k
+
+
+def test_an_optimizer_reset_keeps_the_schedules_position():
+  """``--rollback_reset_optimizer``: fresh Adam moments, but the schedule goes on from the update count
+  it had (the policy's step counter, at which the trainer reads the logged rate): late in a cosine, the
+  next update's rate is the schedule's there, not a warm-up restarted at 0."""
+  from mimo_jax.optim import apply_gradients, hyperparams
+  from mimo_jax.train.loop import _reset_optimizer
+
+  tx, schedule = make_optimizer(OptimConfig(learning_rate=1.0, warmup_steps=10, grad_clip=0.0), 100)
+  state = _state(Transformer(tiny(), rngs=nnx.Rngs(0)), tx=tx)
+  grads = jax.tree.map(jnp.ones_like, state.params)
+  step = jax.jit(lambda s: apply_gradients(s, grads, jnp.float32(0.0))[0])
+  for _ in range(90):
+    state = step(state)
+  reset = _reset_optimizer(state)
+  assert int(reset.opt_state.inner_state.count) == int(reset.step) == 90
+  adam = [x for x in jax.tree.leaves(reset.opt_state.inner_state.inner_state) if x.ndim > 0]
+  assert adam and all(float(jnp.abs(x).max()) == 0.0 for x in adam)  # the moments are fresh
+  after = step(reset)
+  assert float(hyperparams(after.opt_state)["learning_rate"]) == pytest.approx(float(schedule(90)), rel=1e-6)
+  assert float(schedule(90)) < 0.2  # near the cosine's floor; a restarted warm-up would give 0
+
+
 def test_non_finite_update_is_skipped_and_counted():
   model = Transformer(tiny(), rngs=nnx.Rngs(3))
   _, batch = _rollout_batch(model, seed=3)

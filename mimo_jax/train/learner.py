@@ -357,8 +357,15 @@ def build_ledger(cfg: Config, mesh: Mesh | None, model_cfg: ModelConfig, *, roll
 def rl_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """The policy's RL optimizer: the clip threshold is injected every update (fixed or LR-linked, from
   the controllers); with the phase schedule the LR shape comes from the controllers, on a constant
-  base."""
-  return make_optimizer(cfg.optim, max(cfg.run.max_steps, 1), constant=cfg.algo.phase_schedule)
+  base.
+
+  The schedule advances once per applied update, and an RL step applies ``num_minibatches x
+  ppo_epochs`` of them: its warm-up and length are counted in those, so they span ``--warmup_steps``
+  and ``--max_steps`` RL steps (sized in RL steps, 4 minibatches ended the warm-up at a quarter of it
+  and reached the cosine's floor at a quarter of the run)."""
+  per_step = cfg.algo.num_minibatches * cfg.algo.ppo_epochs
+  optim = dataclasses.replace(cfg.optim, warmup_steps=cfg.optim.warmup_steps * per_step)
+  return make_optimizer(optim, max(cfg.run.max_steps, 1) * per_step, constant=cfg.algo.phase_schedule)
 
 
 def value_optimizer(cfg: Config) -> optax.GradientTransformation:

@@ -134,9 +134,17 @@ def resolve_run_dir(cfg: Config) -> str:
 
 
 def _reset_optimizer(policy: TrainState) -> TrainState:
-  """A fresh optimizer state (moments, schedule); the count of skipped updates carries over."""
+  """Fresh Adam moments (and their bias correction); the schedule's position (the count of applied
+  updates) and the count of skipped updates carry over.  The learning rate goes on from where it was,
+  so the logged one and the LR-linked clip are the one applied (a schedule restarted at 0 ran its
+  warm-up again, up to the peak, after a rollback meant to lower it), and the policy's step counter,
+  which the logged rate is read at, agrees with it."""
   fresh = init_opt_state(policy.tx, policy.params if policy.master is None else policy.master)
-  return policy.replace(opt_state=fresh._replace(total_notfinite=policy.opt_state.total_notfinite))
+  old = policy.opt_state.inner_state
+  inner = fresh.inner_state._replace(
+    count=jnp.copy(old.count), hyperparams_states=jax.tree.map(jnp.copy, old.hyperparams_states)
+  )
+  return policy.replace(opt_state=fresh._replace(inner_state=inner, total_notfinite=policy.opt_state.total_notfinite))
 
 
 # ----------------------------------------------------------------------------
