@@ -224,6 +224,26 @@ def test_paused_lends_the_worker_between_the_same_two_batches_and_refreshes_the_
   rollout.stop()
 
 
+def test_paused_right_after_a_publish_waits_for_the_batch_it_admits():
+  """A fast step: the learner publishes version 1 (admitting batch 2), takes batch 1 and pauses at once.
+  The producer was waiting for a version a moment before; the pause still comes after batch 2 (the
+  evaluation's draw falls between the same two batches on every run), in every one of 50 tries."""
+  for _ in range(50):
+    worker = _HostWorker()
+    rollout = AsyncRollout(worker, max_staleness=1, to_rollout=lambda p: p, end=10, threaded=True)
+    worker.rollout = rollout
+    rollout.start(0, 0, 0)
+    rollout.get(0)
+    time.sleep(0.01)  # the producer has made 0 and 1 and waits for version 1
+    rollout.publish(1, 1)
+    rollout.get(1)
+    with rollout.paused() as w:
+      assert [b for b, _, _ in worker.made] == [0, 1, 2]
+      w.draws += 100
+    assert rollout.record_before(3)["draws"] == 103
+    rollout.stop()
+
+
 def test_the_inline_producer_makes_the_same_batches_at_the_same_hand_offs_as_the_thread():
   """What several processes run: every batch made in the learner's thread, with the versions, the order
   and the worker state at each hand-off of the threaded producer."""

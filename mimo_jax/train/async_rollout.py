@@ -196,7 +196,9 @@ class AsyncRollout:
       self._before[self._next] = self._host_state()
       return
     with self._cv:
-      while not (self._waiting or self._stop or self._error is not None):
+      # Not the producer's waiting flag: right after a publish it still reads True until the producer
+      # takes the lock back, and the batch the new version admits would come after the caller's draw.
+      while not (self._stop or self._error is not None or self._made_all_admitted()):
         self._cv.wait()
       if self._error is not None:
         raise self._error
@@ -234,6 +236,10 @@ class AsyncRollout:
       return list(range(after, max(self._next + int(self._making), after)))
 
   # ---- the producer ----------------------------------------------------------------------------
+
+  def _made_all_admitted(self) -> bool:
+    """Whether the producer is making nothing and the next batch is not admitted (call holding the lock)."""
+    return not self._making and (self._next >= self.end or self._required(self._next) not in self._versions)
 
   def _required(self, batch_id: int) -> int:
     return max(batch_id - self.max_staleness, self._first_version)
