@@ -8,7 +8,8 @@ Conventions shared by both backends:
 
 * ``encode`` never adds special tokens on its own; ``add_bos`` / ``add_eos`` are the only
   way BOS/EOS get in.  Backends that would add them implicitly (HF post-processors) are
-  told not to, so prompts are never double-prefixed.
+  told not to, so prompts are never double-prefixed, and a special token spelled in the
+  text (``"</s>"``) is encoded as text, not as its id.
 * ``decode`` with ``skip_special=True`` drops exactly the pad/BOS/EOS ids, identically
   for both backends, and rejects ids outside the vocabulary (and values that are not
   integers) with a :class:`TokenIdError` naming the id and its position, instead of
@@ -608,6 +609,10 @@ class HFTokenizer(Tokenizer):
       ValueError: if a given id is outside the vocabulary.
     """
     _import_tokenizers()
+    # Special tokens spelled in a text are text: a completion that writes "</s>" must not end the
+    # document a judge or a reward model reads (the backend matches added special tokens in the text
+    # even with add_special_tokens=False).  Set on the backend itself: it is what encodes.
+    tokenizer.encode_special_tokens = True
     self._tok = tokenizer
     self._vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     for name, value in (("eos_id", eos_id), ("bos_id", bos_id), ("pad_id", pad_id)):
