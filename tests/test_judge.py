@@ -241,3 +241,41 @@ def test_sampler_generate_fn_with_a_real_tiny_model():
   # The same prompts again sample differently (a fresh key per call).
   again = gen(["1+2=", "30+4=", "7+7="], 3)
   assert again != outputs
+
+
+def test_a_judge_output_cut_by_its_length_limit_loses_its_unfinished_line():
+  """The sampler stops the judge at --judge_max_new_tokens: a score line cut there ("Score: 1" of
+  "Score: 10") is not a verdict, so the output is invalid and counted, not a wrong score of 0.1; an
+  output that ended (a stop token) within the limit keeps its score.  The judge's tokens are scripted
+  (a tiny model cannot be made to write a score): what is tested is what the judge reads of them."""
+  import types
+
+  from mimo_jax.rollout.sampler import FINISH_LENGTH, FINISH_STOP
+
+  class CharTok:  # one token per character: 0 pad, 1 EOS, 2 BOS, 3 + code point
+    pad_id, eos_id, bos_id, vocab_size = 0, 1, 2, 3 + 256
+
+    def encode(self, s, add_bos=False, add_eos=False):
+      return ([2] if add_bos else []) + [3 + ord(c) for c in s] + ([1] if add_eos else [])
+
+    def decode(self, ids):
+      return "".join(chr(i - 3) for i in ids if i >= 3)
+
+  written = CharTok().encode("Correct and clear.\nScore: 10", add_eos=True)
+
+  class ScriptedSampler:
+    batch_shards = 1
+
+    def generate(self, tokens, mask, *, num_samples, max_len, sampling, temperature, key):
+      rows, n = tokens.shape[0] * num_samples, min(len(written), max_len)
+      comp = np.zeros((rows, max_len), np.int32)
+      comp[:, :n] = written[:n]
+      finish = FINISH_STOP if len(written) <= max_len else FINISH_LENGTH
+      return types.SimpleNamespace(
+        completion_tokens=comp, lengths=np.full((rows,), n, np.int32), finish_reason=np.full((rows,), finish)
+      )
+
+  for limit, reward, invalid in ((len(written), 1.0, 0), (len(written) - 2, 0.0, 1)):
+    gen = sampler_generate_fn(ScriptedSampler(), CharTok(), buckets=(512,), max_new_tokens=limit, key=jax.random.key(0))
+    judge = JudgeReward(gen, num_samples=1)
+    assert judge.score(["q"], ["a"])[0] == pytest.approx(reward) and judge.num_invalid == invalid

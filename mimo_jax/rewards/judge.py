@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from mimo_jax import multihost
-from mimo_jax.rollout.sampler import bucket_for, left_pad
+from mimo_jax.rollout.sampler import FINISH_LENGTH, bucket_for, left_pad
 from mimo_jax.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -506,16 +506,23 @@ class SamplerGenerateFn:
         temperature=self.temperature,
         key=jax.random.fold_in(call_key, chunk_index),
       )
-      comp, lengths = multihost.to_host((out.completion_tokens, out.lengths))  # whole on every host
+      # Whole on every host.
+      comp, lengths, finish = multihost.to_host((out.completion_tokens, out.lengths, out.finish_reason))
       for i in range(len(chunk)):
         texts = []
         for j in range(num_samples):
           r = i * num_samples + j
           # Ids past the tokenizer's vocabulary (a padded embedding table) cannot be rendered.
           ids = [t for t in comp[r, : lengths[r]].tolist() if 0 <= t < vocab]
-          texts.append(self.tokenizer.decode(ids))
+          texts.append(_finished_lines(self.tokenizer.decode(ids), cut=finish[r] == FINISH_LENGTH))
         results.append(texts)
     return results
+
+
+def _finished_lines(text: str, *, cut: bool) -> str:
+  """A judge output cut by its length limit loses its last, unfinished line: a score cut mid-number
+  ("Score: 1" of "Score: 10") would otherwise parse as a finished, wrong verdict."""
+  return text[: text.rfind("\n") + 1] if cut and not text.endswith("\n") else text
 
 
 def sampler_generate_fn(
