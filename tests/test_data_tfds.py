@@ -410,3 +410,21 @@ def test_stream_rejects_bad_state() -> None:
     stream.load_state_dict({"epoch": 0, "position": 10, "seed": 1})
   with pytest.raises(ValueError):
     PromptStream(0)
+
+
+def test_a_damaged_cache_that_reads_back_empty_rows_is_a_named_error(tmp_path) -> None:
+  """A prepared dataset is reused as it is. Its shard cut at a 64 KiB block boundary reads back rows of
+  nothing (every field None) instead of failing: reading one names the cache and what to do."""
+  import glob
+
+  path = tmp_path / "a.jsonl"
+  path.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": f"a{i}"}) + "\n" for i in range(50)))
+  source = load_prompt_source("jsonl", str(path), tmp_path / "cache", split="train")
+  assert source[0] == {"prompt": "p0", "answer": "a0", "source_line": 1}
+  (shard,) = glob.glob(os.path.join(source.builder.data_dir, "*.array_record*"))
+  assert os.path.getsize(shard) > 65536
+  with open(shard, "r+b") as f:
+    f.truncate(65536)
+  again = load_prompt_source("jsonl", str(path), tmp_path / "cache", split="train")
+  with pytest.raises(RuntimeError, match="reads back empty \\(a damaged cache\\); delete that directory"):
+    again[0]

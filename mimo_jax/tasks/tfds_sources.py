@@ -592,7 +592,14 @@ class PromptSource:
       i += n
     if not 0 <= i < n:
       raise IndexError(f"index {index} out of range for {self.name} with {n} rows")
-    return _decode(self._source[i])
+    row = _decode(self._source[i])
+    if any(value is None for value in row.values()):
+      # A shard cut at a block boundary reads back rows of nothing rather than failing.
+      raise RuntimeError(
+        f"{self.name}: row {i} of the prepared dataset in {self._builder.data_dir} reads back empty (a damaged "
+        "cache); delete that directory to have it built again"
+      )
+    return row
 
   def __iter__(self) -> Iterator[dict[str, Any]]:
     for i in range(len(self)):
