@@ -722,7 +722,12 @@ class LoggingConfig:
     "several emulated CPU devices (where the update program alone can deadlock XLA:CPU's collectives).",
     choices=("auto", "measured", "apportioned"),
   )
-  alarm_window: int = field(10, "Alarm smoothing window in RL steps (nothing fires before two windows).", ge=2)
+  alarm_window: int = field(
+    10,
+    "Alarm smoothing window in RL steps (nothing fires before two windows, but a value-loss spike: one "
+    "window and a step).",
+    ge=2,
+  )
   alarm_reward_drop: float = field(
     0.5, "reward_collapse: the smoothed reward lost this fraction of its rise above the first window.", gt=0, le=1
   )

@@ -25,7 +25,8 @@ reward_jitter      the reward's step-to-step changes over the last 6 windows hav
 ================== ======================================================================= ==================
 
 Smoothing is a mean over the last ``--alarm_window`` steps; nothing fires before two windows of
-steps.  A detector fires once when its condition starts to hold and again only after it has cleared,
+steps, but a value-loss spike (one step against the median of the window before it: one window and a
+step).  A detector fires once when its condition starts to hold and again only after it has cleared,
 which takes a whole window of steps without it (a value hovering at the threshold is one episode).
 Each alarm carries its ``onset``, the first step of the shape: the reward's peak for a collapse, the
 spike's step for the value loss, the first step of the smoothing window that shows it otherwise.  The
