@@ -245,9 +245,10 @@ def test_sampler_generate_fn_with_a_real_tiny_model():
 
 def test_a_judge_output_cut_by_its_length_limit_loses_its_unfinished_line():
   """The sampler stops the judge at --judge_max_new_tokens: a score line cut there ("Score: 1" of
-  "Score: 10") is not a verdict, so the output is invalid and counted, not a wrong score of 0.1; an
-  output that ended (a stop token) within the limit keeps its score.  The judge's tokens are scripted
-  (a tiny model cannot be made to write a score): what is tested is what the judge reads of them."""
+  "Score: 10") is not a verdict, so the output is invalid and counted, not a wrong score of 0.1 (its
+  text is kept, the cut line marked); an output that ended (a stop token) within the limit keeps its
+  score.  The judge's tokens are scripted (a tiny model cannot be made to write a score): what is
+  tested is what the judge reads of them."""
   import types
 
   from mimo_jax.rollout.sampler import FINISH_LENGTH, FINISH_STOP
@@ -279,3 +280,4 @@ def test_a_judge_output_cut_by_its_length_limit_loses_its_unfinished_line():
     gen = sampler_generate_fn(ScriptedSampler(), CharTok(), buckets=(512,), max_new_tokens=limit, key=jax.random.key(0))
     judge = JudgeReward(gen, num_samples=1)
     assert judge.score(["q"], ["a"])[0] == pytest.approx(reward) and judge.num_invalid == invalid
+  assert gen(["q"], 1) == [["Correct and clear.\nScore: 1\u2026"]]

@@ -519,10 +519,16 @@ class SamplerGenerateFn:
     return results
 
 
+# Appended to the unfinished last line of a judge output cut by its length limit.
+CUT_MARK = "\u2026"
+
+
 def _finished_lines(text: str, *, cut: bool) -> str:
-  """A judge output cut by its length limit loses its last, unfinished line: a score cut mid-number
-  ("Score: 1" of "Score: 10") would otherwise parse as a finished, wrong verdict."""
-  return text[: text.rfind("\n") + 1] if cut and not text.endswith("\n") else text
+  """A judge output cut by its length limit keeps its text, its unfinished last line marked with
+  :data:`CUT_MARK` so it cannot parse: a score cut mid-number ("Score: 1" of "Score: 10") would
+  otherwise read as a finished, wrong verdict (a line cut right at its end is refused too: the judge
+  did not finish within the limit)."""
+  return text + CUT_MARK if cut and not text.endswith("\n") else text
 
 
 def sampler_generate_fn(

@@ -173,7 +173,8 @@ SET_ASIDE = ".overwritten"
 
 def set_aside(run_dir: str) -> None:
   """Moves a run's files into ``SET_ASIDE`` (for ``--overwrite``; one left by a start killed before
-  it settled is deleted first): :func:`put_back` restores them, :func:`clear` deletes them."""
+  it settled is deleted first): :func:`put_back` restores them, :meth:`RunDir.settle_overwrite`
+  deletes them once the new run is built."""
   aside = os.path.join(run_dir, SET_ASIDE)
   if os.path.isdir(aside):
     shutil.rmtree(aside)
