@@ -324,61 +324,59 @@ def test_power_towers_are_refused_without_computing(pred: str) -> None:
   assert time.monotonic() - start < 60.0
 
 
-def test_symbolic_timeout_returns_false(monkeypatch: pytest.MonkeyPatch) -> None:
-  # Stand-ins for sympy and the comparison, so the timeout path is tested with or without sympy.
+@pytest.fixture
+def stand_in_sympy(monkeypatch: pytest.MonkeyPatch):
+  """Stand-ins for sympy (so the time-limit paths are tested with or without it) and an event that
+  releases comparisons left waiting: set at the end, so no thread outlives the test."""
   release = threading.Event()
+  monkeypatch.setattr(rm, "_import_sympy", lambda: object())
+  rm._symbolic_match_cached.cache_clear()
+  yield release
+  release.set()
+  rm._symbolic_match_cached.cache_clear()
 
+
+def test_symbolic_timeout_returns_false(monkeypatch: pytest.MonkeyPatch, stand_in_sympy) -> None:
   def slow_equal(sympy: object, a: str, b: str) -> bool:
     del sympy, a, b
-    release.wait(600.0)
+    stand_in_sympy.wait(600.0)
     return True
 
-  monkeypatch.setattr(rm, "_import_sympy", lambda: object())
   monkeypatch.setattr(rm, "_sympy_equal", slow_equal)
-  rm._symbolic_match_cached.cache_clear()
-  try:
-    start = time.monotonic()
-    assert not answers_match("2x", "x + x", timeout_s=0.2)
-    assert time.monotonic() - start < 300.0  # far short of the 600 s comparison: the limit held
-    # A comparison that finishes within the limit is believed.
-    monkeypatch.setattr(rm, "_sympy_equal", lambda sympy, a, b: True)
-    assert answers_match("3x", "x + 2x", timeout_s=1.0)
-  finally:
-    release.set()
-    rm._symbolic_match_cached.cache_clear()
+  start = time.monotonic()
+  assert not answers_match("2x", "x + x", timeout_s=0.2)
+  assert time.monotonic() - start < 300.0  # far short of the 600 s comparison: the limit held
+  # A comparison that finishes within the limit is believed.
+  monkeypatch.setattr(rm, "_sympy_equal", lambda sympy, a, b: True)
+  assert answers_match("3x", "x + 2x", timeout_s=1.0)
 
 
-def test_timed_out_symbolic_checks_hold_their_slots_until_they_end(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_timed_out_symbolic_checks_hold_their_slots_until_they_end(
+  monkeypatch: pytest.MonkeyPatch, stand_in_sympy
+) -> None:
   """A timed-out check cannot be killed, so it keeps its slot: once every slot is held, a new check
   runs nothing and counts as no match, uncached, and runs again once a slot is free; at most
   ``_SYMPY_SLOTS`` threads ever compute, however many pathological answers come."""
-  release = threading.Event()
   running = []
 
   def equal(sympy: object, a: str, b: str) -> bool:
     del sympy
     running.append((a, b))
     if "y" in a:  # the pathological answers
-      release.wait(600.0)
+      stand_in_sympy.wait(600.0)
     return True
 
-  monkeypatch.setattr(rm, "_import_sympy", lambda: object())
   monkeypatch.setattr(rm, "_sympy_equal", equal)
-  rm._symbolic_match_cached.cache_clear()
-  try:
-    for k in range(2 * rm._SYMPY_SLOTS):
-      assert not answers_match(f"{k + 2}y", "y", timeout_s=0.05)
-    assert len(running) == rm._SYMPY_SLOTS  # the later ones never started a thread
-    assert not answers_match("3x", "x + 2x", timeout_s=0.05)  # no slot: not checked
-    assert len(running) == rm._SYMPY_SLOTS
-    release.set()
-    deadline = time.monotonic() + 60.0
-    while rm._SYMPY_SLOT._value < rm._SYMPY_SLOTS and time.monotonic() < deadline:
-      time.sleep(0.01)
-    assert answers_match("3x", "x + 2x", timeout_s=60.0)  # checked now: the refusal was not cached
-  finally:
-    release.set()
-    rm._symbolic_match_cached.cache_clear()
+  for k in range(2 * rm._SYMPY_SLOTS):
+    assert not answers_match(f"{k + 2}y", "y", timeout_s=0.05)
+  assert len(running) == rm._SYMPY_SLOTS  # the later ones never started a thread
+  assert not answers_match("3x", "x + 2x", timeout_s=0.05)  # no slot: not checked
+  assert len(running) == rm._SYMPY_SLOTS
+  stand_in_sympy.set()
+  deadline = time.monotonic() + 60.0
+  while rm._SYMPY_SLOT._value < rm._SYMPY_SLOTS and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert answers_match("3x", "x + 2x", timeout_s=60.0)  # checked now: the refusal was not cached
 
 
 # ---- reward components --------------------------------------------------------------------
