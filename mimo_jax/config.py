@@ -369,6 +369,12 @@ class AlgoConfig:
       "gae needs a value model (--use_value_model)",
     )
     check(
+      self.value_warmup_steps == 0 or self.use_value_model,
+      "value_warmup_steps",
+      self.value_warmup_steps,
+      "warms up a value model (--use_value_model); without one the policy would only wait",
+    )
+    check(
       not self.use_value_model or self.advantage == "gae",
       "use_value_model",
       self.use_value_model,

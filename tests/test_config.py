@@ -76,6 +76,8 @@ def test_defaults_build():
       ["--entropy_controller=adaptive", "--entropy_coef=0.2", "--entropy_coef_max=0.05"],
       "entropy_coef=0.2: a controlled coefficient starts at most --entropy_coef_max=0.05",
     ),
+    # Without a critic the policy would only wait, silently, through the "value" warm-up.
+    (["--value_warmup_steps=5"], "value_warmup_steps=5: warms up a value model .--use_value_model.; without one"),
     # A Hugging Face checkpoint brings its own vocabulary and length: flags for them would be ignored.
     (["--hf_checkpoint=ckpt", "--vocab_size=4096"], "vocab_size=4096.*leave --vocab_size at 0"),
     (["--hf_checkpoint=ckpt", "--max_seq_len=4096"], "max_seq_len=4096.*leave --max_seq_len at 0"),
