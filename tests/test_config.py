@@ -134,12 +134,16 @@ def test_a_hugging_face_checkpoints_length_bounds_the_sequences(tmp_path):
     validate(parse_config([*argv, "--max_new_tokens=65"]), 8)
 
 
-def test_a_vocabulary_smaller_than_the_tokenizers_is_refused_before_any_compute(tmp_path, capsys):
-  # Token ids past the embedding would read NaN rows (the gather's fill): every logit NaN.
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_vocabulary_smaller_than_the_tokenizers_is_refused_before_any_compute(tmp_path, capsys, dry_run):
+  # Token ids past the embedding would read NaN rows (the gather's fill): every logit NaN.  The dry
+  # run plans the same run, so it refuses it too (it took --vocab_size as given).
   run_dir = tmp_path / "run"
-  assert main(["prog", "--model_preset=tiny", "--vocab_size=8", f"--run_dir={run_dir}"]) == 2
+  argv = ["prog", "--model_preset=tiny", "--vocab_size=8", f"--run_dir={run_dir}", f"--dry_run={dry_run}"]
+  assert main(argv) == 2
   assert re.search(r"--vocab_size=8: is smaller than the tokenizer's \d+ tokens", capsys.readouterr().err)
   assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+  assert not (run_dir / "dry_run.json").exists()
 
 
 def test_a_reward_model_flag_that_names_no_reward_model_run_is_refused_before_any_compute(tmp_path, capsys):

@@ -95,15 +95,17 @@ def _memory(compiled) -> dict[str, float]:
 
 
 def run_vocab(cfg: Config) -> int:
-  """The vocabulary size the run would use: ``--vocab_size``, else the tokenizer's (as the trainer does)."""
-  if cfg.model.vocab_size:
-    return cfg.model.vocab_size
+  """The vocabulary size the run would use: ``--vocab_size``, else the tokenizer's (as the trainer does).
+
+  Raises:
+    ConfigError: ``--vocab_size`` is below the tokenizer's size (the trainer refuses it too).
+  """
   if cfg.model.hf_checkpoint:
     with open(os.path.join(cfg.model.hf_checkpoint, "config.json")) as f:
       return int(json.load(f)["vocab_size"])
   from mimo_jax.tasks.registry import build_task
 
-  return build_task(cfg.data, seed=cfg.run.seed)[1].vocab_size
+  return cfg.model.vocab_for(build_task(cfg.data, seed=cfg.run.seed)[1].vocab_size)
 
 
 def _abstract_train_state(graphdef, abs_params, tx, master_dtype: str, mesh) -> TrainState:
