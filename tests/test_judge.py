@@ -10,8 +10,9 @@ from flax import nnx
 
 from mimo_jax.models import Transformer
 from mimo_jax.models.config import tiny
-from mimo_jax.rewards.base import RewardSample
+from mimo_jax.rewards.base import CompositeReward, RewardSample, RewardSource
 from mimo_jax.rewards.judge import (
+  JudgeInvalid,
   JudgeReward,
   PairwiseJudge,
   parse_score,
@@ -126,8 +127,9 @@ def test_pointwise_averages_valid_scores_and_rescales():
   judge = JudgeReward(gen, template="Q={question} A={answer}", num_samples=4)
   samples = [RewardSample("2+2=", a) for a in ("good", "bad", "ok")]
   rewards = judge(samples)
-  # good: valid 10, 5, 2.5 -> (1 + 0.5 + 0.25) / 3; bad: nothing valid -> 0; ok: 0.6.
-  np.testing.assert_allclose(rewards, [1.75 / 3, 0.0, 0.6], atol=1e-9)
+  # good: valid 10, 5, 2.5 -> (1 + 0.5 + 0.25) / 3; bad: nothing valid -> a failure, not a verdict; ok: 0.6.
+  np.testing.assert_allclose([rewards[0], rewards[2]], [1.75 / 3, 0.6], atol=1e-9)
+  assert isinstance(rewards[1], JudgeInvalid) and "'Score: <number>'" in str(rewards[1])
   assert gen.calls == [(["Q=2+2= A=good", "Q=2+2= A=bad", "Q=2+2= A=ok"], 4)]
   assert (judge.num_invalid, judge.num_all_invalid, judge.num_outputs, judge.num_scored) == (5, 1, 12, 3)
   m = judge.last_metrics()
@@ -139,6 +141,24 @@ def test_pointwise_averages_valid_scores_and_rescales():
   assert (judge.num_invalid, judge.num_all_invalid, judge.num_outputs) == (5, 1, 16)
   assert judge.last_metrics()["num_invalid"] == 0
   assert judge([]) == []
+  # score(), the direct interface, gives the unjudged answer 0.
+  np.testing.assert_allclose(judge.score(["2+2="] * 2, ["bad", "ok"]), [0.0, 0.6], atol=1e-9)
+
+
+def test_a_sample_the_judge_gave_no_valid_score_is_a_failure_of_the_component_not_a_zero():
+  """Through the composite reward: the unjudged sample adds 0 to the mix, but is counted in
+  ``reward/judge_fail_frac`` with the judge's reason, and stays out of the normaliser's statistics (a
+  judge that stops following the format would otherwise read as a reward collapse, fail_frac 0)."""
+  outputs = {"good": "Score: 10", "bad": "I will not score this.", "ok": "Score: 6"}
+  judge = JudgeReward(Scripted(lambda p, j: outputs[p.split("A=")[1]]), template="Q={question} A={answer}")
+  reward = CompositeReward([RewardSource("judge", judge, batched=True)], normalize="task_running")
+  batch = reward([RewardSample("2+2=", a) for a in ("good", "bad", "ok")])
+  assert batch.failed["judge"].tolist() == [False, True, False]
+  m = batch.metrics()
+  assert m["reward/judge_fail_frac"] == pytest.approx(1 / 3) and m["reward/judge_mean"] == pytest.approx(0.8)
+  assert batch.errors and batch.errors[0].startswith("judge[1]: JudgeInvalid: none of the judge's 4 outputs")
+  # Standardised over the two judged samples only (1.0 and 0.6): +-1, and the failure enters as 0.
+  np.testing.assert_allclose(batch.rewards, [1.0, 0.0, -1.0], atol=1e-5)
 
 
 def test_pointwise_custom_range_and_question_field():
@@ -211,6 +231,10 @@ def test_pairwise_invalid_verdicts_are_counted_and_neutral():
   assert judge.compare("q", "a", "b") == 0.75
   assert (judge.num_invalid, judge.num_order_invalid, judge.num_outputs) == (3, 1, 4)
   np.testing.assert_allclose(judge.last_metrics()["invalid_fraction"], 0.75)
+  # As a reward source: one valid order still gives a preference; none in either order is a failure.
+  samples = [RewardSample("q", "a", row={"reference": "b"}), RewardSample("q", "c", row={"reference": "b"})]
+  prefs = judge(samples)
+  assert prefs[0] == 0.75 and isinstance(prefs[1], JudgeInvalid) and "'Verdict: A|B'" in str(prefs[1])
 
 
 # ----------------------------------------------------------------------------
@@ -233,7 +257,7 @@ def test_sampler_generate_fn_with_a_real_tiny_model():
   # The judge's outputs are digits and signs: never a score line, so every one is invalid.
   judge = JudgeReward(gen, template="{question}{answer}", num_samples=3)
   samples = [RewardSample(p.prompt, p.answer) for p in task.heldout()[:3]]
-  assert judge(samples) == [0.0, 0.0, 0.0]
+  assert all(isinstance(r, JudgeInvalid) for r in judge(samples))
   assert (judge.num_invalid, judge.num_all_invalid, judge.num_outputs) == (9, 3, 9)
   key2 = jax.random.key_data(gen.last_key)
   assert not np.array_equal(key1, key2) and gen.num_calls == 2
@@ -241,6 +265,29 @@ def test_sampler_generate_fn_with_a_real_tiny_model():
   # The same prompts again sample differently (a fresh key per call).
   again = gen(["1+2=", "30+4=", "7+7="], 3)
   assert again != outputs
+  assert gen.last_cut_prompts == 0 and judge.last_metrics()["prompts_cut"] == 0
+
+
+def test_an_over_long_judge_prompt_loses_its_middle_and_is_counted():
+  """A judge prompt longer than the largest bucket keeps its head (BOS, the task and the question) and
+  its tail (the answer's end and the closing instruction): cutting its head would hide the question
+  (and BOS) from the judge.  The cut prompts are counted per call, as ``prompts_cut`` in the metrics."""
+  from mimo_jax.rewards.judge import _encode_prompts
+
+  task = ArithTask(levels=(1,), seed=0, heldout_size=16)
+  tokenizer = build_tokenizer(task)
+  long = "1+2=" + "9" * 40 + "=7"
+  ids = tokenizer.encode(long, add_bos=True)
+  tokens, mask, cut = _encode_prompts(tokenizer, [long, "1+2="], (16,), rows=2)
+  assert cut == 1 and tokens.shape == (2, 16) and mask[0].all()
+  assert tokens[0].tolist() == ids[:8] + ids[-8:] and tokens[0, 0] == tokenizer.bos_id
+  cfg = tiny().replace(vocab_size=tokenizer.vocab_size, max_seq_len=64)
+  gen = sampler_generate_fn(
+    Sampler(Transformer(cfg, rngs=nnx.Rngs(0))), tokenizer, buckets=(16,), max_new_tokens=4, key=jax.random.key(0)
+  )
+  judge = JudgeReward(gen, template="{question}{answer}", num_samples=2)
+  judge([RewardSample("1+2=", "9" * 40), RewardSample("1+2=", "3"), RewardSample("2+2=", "9" * 30)])
+  assert gen.last_cut_prompts == 2 and judge.last_metrics()["prompts_cut"] == 2
 
 
 def test_a_judge_output_cut_by_its_length_limit_loses_its_unfinished_line():

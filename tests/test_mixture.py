@@ -258,7 +258,7 @@ def test_bad_reward_flags_are_refused_before_compute(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_a_judge_from_the_command_line_scores_every_completion(tmp_path):
+def test_a_judge_from_the_command_line_scores_every_completion(tmp_path, capsys):
   judge = save_random_judge(str(tmp_path / "judge"))
   flags = [
     "prog",
@@ -280,8 +280,13 @@ def test_a_judge_from_the_command_line_scores_every_completion(tmp_path):
   ]
   assert main(flags) == 0
   _, rl = _rl_records(tmp_path / "run")
-  # A random judge never writes a valid 'Score:' line: every sample gets the judge's 0, none fails the run.
-  assert all(r["reward/judge_mean"] == 0.0 and r["reward/judge_fail_frac"] == 0.0 for r in rl)
+  # A random judge never writes a valid 'Score:' line: every sample is a failure of the judge (counted as
+  # 0; no judged sample, so no mean), logged every step and reported with the judge's reason; the run goes on.
+  # (metrics.jsonl writes a non-finite value as its text)
+  assert all(r["reward/judge_mean"] == "nan" and r["reward/judge_fail_frac"] == 1.0 for r in rl)
+  out = capsys.readouterr().out
+  assert "RL step 0: reward sources failed, each failure counted as 0: judge on 16 of 16 samples" in out
+  assert "JudgeInvalid: none of the judge's 2 outputs ends with one valid 'Score: <number>' line" in out
 
 
 def test_a_judges_sampling_stream_resumes_where_it_stopped(tmp_path):

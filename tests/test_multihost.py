@@ -283,8 +283,9 @@ def test_a_reward_model_and_a_judge_score_the_whole_batch_on_every_host(tmp_path
     assert step["correct"] == step["expected_correct"] and 0 < sum(step["correct"]) < len(step["correct"])
     scores = step["components"]["reward_model"]
     assert len(scores) == 32 and len(set(scores)) > 8  # scored row by row, not a constant
-    assert step["components"]["judge"] == [0.0] * 32  # a random judge never writes a valid score
-    assert step["metrics"]["reward/judge_fail_frac"] == 0.0 and step["metrics"]["reward/reward_model_fail_frac"] == 0.0
+    # A random judge never writes a valid score: every row is a failure of the judge (counted as 0).
+    assert step["components"]["judge"] == [0.0] * 32
+    assert step["metrics"]["reward/judge_fail_frac"] == 1.0 and step["metrics"]["reward/reward_model_fail_frac"] == 0.0
   judge_state = a[2]["reward_state"]["sources"]["judge"]
   assert judge_state["num_outputs"] == 2 * 32 * 2 and judge_state["generator"]["num_calls"] == 2
   # What the judge wrote: the same texts on both hosts, equal to the one process's (its samples on the

@@ -149,7 +149,8 @@ class RewardSource:
   Batched sources (``batched=True``) are called as ``fn(list[RewardSample]) ->
   Sequence[float]`` once per batch, in the trainer's process, with the samples they apply
   to (in batch order).  An exception or a result of the wrong length marks the component
-  failed for all those samples; a non-finite or non-numeric element marks only its sample.
+  failed for all those samples; a non-finite or non-numeric element marks only its sample, and so
+  does an exception instance returned as the element (its message is the failure's).
 
   Attributes:
     name: the component's name, unique within a :class:`CompositeReward`; metrics are
@@ -233,7 +234,10 @@ def _failure(error: str) -> Outcome:
 
 
 def _coerce(value: Any) -> Outcome:
-  """Reads a reward function's return value as a finite float."""
+  """Reads a reward function's return value as a finite float; an exception instance is a failure with
+  its message (a batched source's way to fail one sample of the batch and say why)."""
+  if isinstance(value, BaseException):
+    return _failure(_describe(value))
   if isinstance(value, np.ndarray) and value.ndim == 0:
     value = value[()]
   if isinstance(value, (bool, np.bool_)):

@@ -9,14 +9,21 @@ fits (a remote API, a scripted fake in tests, or the repository's own
 template and must end with exactly one ``Score: <number>`` line.  Parsing is strict
 (:func:`parse_score`): a missing score, two score lines, an out-of-range value or any
 other text on the score line makes the output invalid.  A sample's reward is the mean
-of its valid outputs' scores rescaled to ``[0, 1]``; a sample without any valid output
-gets 0 and is counted, so a judge that stops following the format shows up in the logs
-rather than as a silent reward collapse.
+of its valid outputs' scores rescaled to ``[0, 1]``.  A sample without any valid output
+is counted (``num_all_invalid``), and as a reward source it is a *failure* of the judge
+component rather than a verdict of 0: it adds 0 to the mix, stays out of the normaliser's
+statistics, and shows in ``reward/judge_fail_frac`` and the trainer's failure report, so a
+judge that stops following the format is seen rather than read as a reward collapse.
 
 **Pairwise** (:class:`PairwiseJudge`): the judge sees two answers and must give exactly
 one ``Verdict: A`` or ``Verdict: B`` line.  Every comparison is asked in both orders and
 the verdicts of the swapped order are mapped back before averaging the two orders, so a
 judge that always prefers whichever answer comes first scores two equal answers 0.5.
+A comparison without a valid verdict in either order is, as a reward source, a failure.
+
+Prompts longer than the judge's context lose their middle (:func:`_encode_prompts`): the
+template's head (the task and the question) and its tail (the end of the answer and the
+instruction to end with a score) both stay in view; the cut prompts are counted.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ __all__ = [
   "DEFAULT_JUDGE_TEMPLATE",
   "DEFAULT_PAIRWISE_TEMPLATE",
   "GenerateFn",
+  "JudgeInvalid",
   "JudgeReward",
   "PairwiseJudge",
   "SamplerGenerateFn",
@@ -140,16 +148,37 @@ def parse_verdict(text: str) -> str | None:
   return None if m is None else m.group(1)
 
 
+class JudgeInvalid(ValueError):
+  """A sample the judge gave no valid verdict on (returned per sample by the reward-source interface:
+  the composite reward counts it as a failure of the judge component, with this message)."""
+
+
+def _cut_middle(ids: list[int], limit: int) -> list[int]:
+  """``ids`` without their middle, ``limit`` long: the first half (BOS, the template's head and the
+  question) and the last half (the answer's end and the closing instruction)."""
+  if len(ids) <= limit:
+    return ids
+  head = (limit + 1) // 2
+  return ids[:head] + ids[len(ids) - (limit - head) :]
+
+
 def _encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], buckets: Sequence[int], rows: int):
-  """BOS + prompt ids, cut to their last ``max(buckets)`` tokens, left-padded to a bucket, with
-  one-token filler rows up to ``rows`` (the convention of :func:`mimo_jax.train.loop.encode_prompts`)."""
+  """BOS + prompt ids, cut to ``max(buckets)`` tokens by dropping their middle, left-padded to a bucket,
+  with one-token filler rows up to ``rows`` (the convention of :func:`mimo_jax.train.loop.encode_prompts`).
+
+  Returns:
+    ``(tokens, mask, cut)``: the padded batch and the number of prompts that lost their middle.
+  """
   limit = max(buckets)
-  ids = [tokenizer.encode(p, add_bos=tokenizer.bos_id is not None)[-limit:] for p in prompts]
+  ids = [tokenizer.encode(p, add_bos=tokenizer.bos_id is not None) for p in prompts]
   for i, x in enumerate(ids):
     if not x:
       raise ValueError(f"prompt {i} encodes to no tokens (and the tokenizer adds no BOS)")
+  cut = sum(len(x) > limit for x in ids)
+  ids = [_cut_middle(x, limit) for x in ids]
   ids += [[tokenizer.pad_id]] * (rows - len(ids))
-  return left_pad(ids, bucket_for(max(len(x) for x in ids), buckets), tokenizer.pad_id)
+  tokens, mask = left_pad(ids, bucket_for(max(len(x) for x in ids), buckets), tokenizer.pad_id)
+  return tokens, mask, cut
 
 
 def _generate(generate_fn: GenerateFn, prompts: list[str], num_samples: int) -> list[list[str]]:
@@ -189,7 +218,8 @@ class JudgeReward:
 
   Attributes:
     num_invalid: judge outputs that failed to parse, over all calls.
-    num_all_invalid: samples without a single valid output (reward 0), over all calls.
+    num_all_invalid: samples without a single valid output (0 from :meth:`score`, a failure from
+      :meth:`__call__`), over all calls.
     num_outputs: judge outputs requested, over all calls.
     num_scored: samples scored, over all calls.
   """
@@ -234,11 +264,16 @@ class JudgeReward:
     return rewards, valid_counts
 
   def score(self, questions: Sequence[str], answers: Sequence[str]) -> list[float]:
-    """Rewards of ``answers`` to ``questions`` (one judge call for all of them)."""
+    """Rewards of ``answers`` to ``questions`` (one judge call for all of them); 0 for an answer without
+    any valid judge output."""
+    return self._score(questions, answers)[0]
+
+  def _score(self, questions: Sequence[str], answers: Sequence[str]) -> tuple[list[float], list[int]]:
+    """:meth:`score`'s rewards and each answer's count of valid judge outputs."""
     if len(questions) != len(answers):
       raise ValueError(f"{len(questions)} questions but {len(answers)} answers")
     if not questions:
-      return []
+      return [], []
     prompts = [self.judge_prompt(q, a) for q, a in zip(questions, answers, strict=True)]
     outputs = _generate(self.generate_fn, prompts, self.num_samples)
     rewards, valid = self.rewards_from_outputs(outputs)
@@ -257,13 +292,20 @@ class JudgeReward:
       "invalid_fraction": invalid / total,
       "all_invalid_fraction": all_invalid / n,
       "reward_mean": float(np.mean(rewards)),
+      **_cut_metric(self.generate_fn),
     }
-    return rewards
+    return rewards, valid
 
-  def __call__(self, samples: Sequence[RewardSample]) -> list[float]:
-    """The batched reward-source interface: one reward in ``[0, 1]`` per sample."""
+  def __call__(self, samples: Sequence[RewardSample]) -> list[float | JudgeInvalid]:
+    """The batched reward-source interface: one reward in ``[0, 1]`` per sample, or a
+    :class:`JudgeInvalid` (a failure of the component) where none of its judge outputs was valid."""
     samples = list(samples)
-    return self.score([_question(s, self.question_field) for s in samples], [s.completion for s in samples])
+    rewards, valid = self._score([_question(s, self.question_field) for s in samples], [s.completion for s in samples])
+    invalid = JudgeInvalid(
+      f"none of the judge's {self.num_samples} outputs ends with one valid 'Score: <number>' line "
+      f"(a number in [{self.min_score:g}, {self.max_score:g}])"
+    )
+    return [r if v else invalid for r, v in zip(rewards, valid, strict=True)]
 
   def last_metrics(self) -> dict[str, float]:
     """Counts and rates of the last call (empty before the first)."""
@@ -331,11 +373,17 @@ class PairwiseJudge:
 
   def compare_batch(self, questions: Sequence[str], answers_a: Sequence[str], answers_b: Sequence[str]) -> list[float]:
     """Preference for each ``a`` over its ``b`` in ``[0, 1]`` (one judge call for all)."""
+    return self._compare(questions, answers_a, answers_b)[0]
+
+  def _compare(
+    self, questions: Sequence[str], answers_a: Sequence[str], answers_b: Sequence[str]
+  ) -> tuple[list[float], list[int]]:
+    """:meth:`compare_batch`'s preferences and each comparison's count of orders with a valid verdict."""
     if not len(questions) == len(answers_a) == len(answers_b):
       raise ValueError(f"lengths differ: {len(questions)} questions, {len(answers_a)} a, {len(answers_b)} b")
     n = len(questions)
     if n == 0:
-      return []
+      return [], []
     prompts = [
       self.template.format(question=q, answer_a=a, answer_b=b)
       for q, a, b in zip(questions, answers_a, answers_b, strict=True)
@@ -346,20 +394,23 @@ class PairwiseJudge:
     ]
     outputs = _generate(self.generate_fn, prompts, self.num_samples)
     invalid = order_invalid = 0
-    prefs = []
+    prefs, valid_orders = [], []
     for i in range(n):
       per_order = []
+      valid_here = 0
       # Order 0 shows a as "A"; order 1 shows a as "B".
       for order, outs in enumerate((outputs[i], outputs[n + i])):
         a_label = "A" if order == 0 else "B"
         verdicts = [v for v in (parse_verdict(o) for o in outs) if v is not None]
         invalid += len(outs) - len(verdicts)
         if verdicts:
+          valid_here += 1
           per_order.append(float(np.mean([v == a_label for v in verdicts])))
         else:
           order_invalid += 1
           per_order.append(0.5)
       prefs.append(float(np.mean(per_order)))
+      valid_orders.append(valid_here)
     total = 2 * n * self.num_samples
     self.num_invalid += invalid
     self.num_order_invalid += order_invalid
@@ -371,15 +422,17 @@ class PairwiseJudge:
       "num_order_invalid": float(order_invalid),
       "invalid_fraction": invalid / total,
       "preference_mean": float(np.mean(prefs)),
+      **_cut_metric(self.generate_fn),
     }
-    return prefs
+    return prefs, valid_orders
 
   def compare(self, question: str, a: str, b: str) -> float:
     """Probability-like preference for ``a`` over ``b``: 1 = ``a`` always wins, 0.5 = no preference."""
     return self.compare_batch([question], [a], [b])[0]
 
-  def __call__(self, samples: Sequence[RewardSample]) -> list[float]:
-    """The batched reward-source interface: each completion's preference over ``row[reference_field]``."""
+  def __call__(self, samples: Sequence[RewardSample]) -> list[float | JudgeInvalid]:
+    """The batched reward-source interface: each completion's preference over ``row[reference_field]``,
+    or a :class:`JudgeInvalid` (a failure of the component) where neither order got a valid verdict."""
     samples = list(samples)
     references = []
     for i, s in enumerate(samples):
@@ -387,9 +440,13 @@ class PairwiseJudge:
       if self.reference_field not in row:
         raise KeyError(f"sample {i} has no {self.reference_field!r} in its row (keys: {sorted(row)})")
       references.append(str(row[self.reference_field]))
-    return self.compare_batch(
+    prefs, valid = self._compare(
       [_question(s, self.question_field) for s in samples], [s.completion for s in samples], references
     )
+    invalid = JudgeInvalid(
+      f"none of the judge's {2 * self.num_samples} outputs (both orders) has one valid 'Verdict: A|B' line"
+    )
+    return [p if v else invalid for p, v in zip(prefs, valid, strict=True)]
 
   def last_metrics(self) -> dict[str, float]:
     """Counts and rates of the last call (empty before the first)."""
@@ -403,6 +460,13 @@ class PairwiseJudge:
 
   def load_state_dict(self, state: dict[str, Any]) -> None:
     _load_judge_state(self, state)
+
+
+def _cut_metric(generate_fn: Any) -> dict[str, float]:
+  """``prompts_cut``: the judge prompts of the last call that lost their middle to the judge's context
+  (when the generator counts them, as :class:`SamplerGenerateFn` does)."""
+  cut = getattr(generate_fn, "last_cut_prompts", None)
+  return {} if cut is None else {"prompts_cut": float(cut)}
 
 
 def _judge_state(judge: Any) -> dict[str, Any]:
@@ -431,6 +495,7 @@ class SamplerGenerateFn:
     key: the PRNG key the next call splits from (advanced on every call).
     last_key: the key the last call sampled with (None before the first call).
     num_calls: calls so far.
+    last_cut_prompts: prompts of the last call longer than the largest bucket (they lost their middle).
   """
 
   def __init__(
@@ -462,6 +527,7 @@ class SamplerGenerateFn:
       top_k=top_k, top_p=top_p, stop_ids=stops, pad_id=tokenizer.pad_id, vocab_limit=tokenizer.vocab_size
     )
     self.num_rows = num_rows
+    self.last_cut_prompts = 0
 
   def state_dict(self) -> dict[str, Any]:
     """The key stream's position (the next call's key and the call count), for checkpoints: a resumed run's
@@ -489,6 +555,7 @@ class SamplerGenerateFn:
     self.key, call_key = jax.random.split(self.key)
     self.last_key = call_key
     self.num_calls += 1
+    self.last_cut_prompts = 0
     if not prompts:
       return []
     rows = self._rows(len(prompts), num_samples)
@@ -496,7 +563,8 @@ class SamplerGenerateFn:
     results: list[list[str]] = []
     for chunk_index, start in enumerate(range(0, len(prompts), rows)):
       chunk = prompts[start : start + rows]
-      tokens, mask = _encode_prompts(self.tokenizer, chunk, self.buckets, rows)
+      tokens, mask, cut = _encode_prompts(self.tokenizer, chunk, self.buckets, rows)
+      self.last_cut_prompts += cut
       out = self.sampler.generate(
         tokens,
         mask,
@@ -547,8 +615,8 @@ def sampler_generate_fn(
   """Adapts a :class:`~mimo_jax.rollout.Sampler` into a judge ``generate_fn``.
 
   Prompts are encoded like the trainer's (as :func:`mimo_jax.train.loop.encode_prompts` does:
-  BOS, left-padded to the smallest fitting bucket, over-long prompts keep their last
-  tokens) and the prompt count is padded with filler rows, so shapes come from a small
+  BOS, left-padded to the smallest fitting bucket) but over-long prompts lose their middle, not
+  their head (:func:`_encode_prompts`; counted in ``last_cut_prompts``), and the prompt count is padded with filler rows, so shapes come from a small
   set; completions are decoded without special tokens.  Every call splits a fresh key
   from the one stored in the object, so repeated calls sample differently.
 
@@ -596,8 +664,8 @@ def load_judge(
 
   ``mode="score"`` gives a :class:`JudgeReward`; ``"pairwise"`` a :class:`PairwiseJudge` comparing each
   completion with the problem's gold answer (``row["answer"]``).  Judge prompts are left-padded to
-  powers of two up to what the judge's context leaves after ``max_new_tokens`` (longer prompts keep
-  their last tokens, where the question to the judge ends).
+  powers of two up to what the judge's context leaves after ``max_new_tokens`` (longer prompts lose
+  their middle: the task and question at the head and the closing instruction at the tail stay).
   """
   from mimo_jax.models import load_hf
   from mimo_jax.rollout.sampler import Sampler
