@@ -153,6 +153,44 @@ class TestFusedLogprobs:
       _assert_close(out.logprobs, ref.logprobs, dict(rtol=1e-5, atol=1e-4), f"{impl} logprobs")
       _assert_close(out.entropy, ref.entropy, dict(rtol=1e-4, atol=1e-4), f"{impl} entropy")
 
+  def test_per_row_temperatures_divide_the_float32_logits(self):
+    """``row_temperature [N]`` divides each row's logits (with ``temperature``), values and gradients as
+    the reference's; a bf16 row's logits are those of the unscaled bf16 matmul, divided in float32 (as
+    the full path and the sampler compute them)."""
+    hidden, w, targets, ref_lp = _inputs(37, 32, 203, seed=5)
+    rows = jnp.linspace(0.5, 1.5, 37, dtype=jnp.float32)
+    tol = TOLERANCES[jnp.float32]
+
+    def reference(hid, w_):
+      return fl.fused_logprobs_reference(hid, w_, targets, temperature=1.3, ref_logprobs=ref_lp, row_temperature=rows)
+
+    ref_out, ref_grads = _loss_and_grads(reference, hidden, w)
+    for impl in self.impls():
+
+      def fn(hid, w_, impl=impl):
+        return fl.fused_logprobs(
+          hid,
+          w_,
+          targets,
+          temperature=1.3,
+          ref_logprobs=ref_lp,
+          row_temperature=rows,
+          impl=impl,
+          block_sizes=fl.BlockSizes(8, 64, 16),
+          interpret=self.INTERPRET,
+        )
+
+      out, grads = _loss_and_grads(fn, hidden, w)
+      for name in ("logprobs", "entropy", "kl"):
+        _assert_close(getattr(out, name), getattr(ref_out, name), tol, f"{impl} {name}")
+      _assert_close(grads[0], ref_grads[0], tol, f"{impl} d hidden")
+      _assert_close(grads[1], ref_grads[1], tol, f"{impl} d w_unembed")
+      # bf16 inputs: the unscaled bf16 matmul's float32 logits, divided per row.
+      hid16, w16 = hidden.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+      got = fn(hid16, w16)
+      want = reference(hid16.astype(jnp.float32), w16.astype(jnp.float32))
+      _assert_close(got.logprobs, want.logprobs, dict(rtol=1e-5, atol=2e-5), f"{impl} bf16 logprobs")
+
 
 class TestFusedLogprobsInterpret(TestFusedLogprobs):
   """The Pallas kernel in interpret mode: runs on CPU."""
@@ -236,6 +274,7 @@ def test_sharded_matches_unsharded(mesh_shape: tuple[int, int], batch_axes: tupl
   w = jax.device_put(w, NamedSharding(mesh, P(None, "tensor")))
   # 200 / 4 = 50 local columns: exercises the shifted tail block (and, for pallas_gpu, splits) per shard.
   block_sizes = fl.BlockSizes(16, 32, 16, num_v_splits=2)
+  rows = jnp.linspace(0.6, 1.4, 40, dtype=jnp.float32)  # per-row temperatures, split like the rows
 
   def sharded(hid, w_):
     return fl.fused_logprobs_sharded(
@@ -247,13 +286,14 @@ def test_sharded_matches_unsharded(mesh_shape: tuple[int, int], batch_axes: tupl
       batch_axes=batch_axes,
       temperature=0.7,
       ref_logprobs=ref_lp,
+      row_temperature=rows,
       impl=impl,
       block_sizes=block_sizes,
       interpret=impl != "xla",
     )
 
   def reference(hid, w_):
-    return fl.fused_logprobs_reference(hid, w_, targets, temperature=0.7, ref_logprobs=ref_lp)
+    return fl.fused_logprobs_reference(hid, w_, targets, temperature=0.7, ref_logprobs=ref_lp, row_temperature=rows)
 
   out, grads = _loss_and_grads(sharded, hidden, w)
   ref_out, ref_grads = _loss_and_grads(reference, hidden, w)
@@ -315,14 +355,16 @@ def test_xla_temp_memory_is_8x_below_reference():
     ((4, 8), (8, 10), (5,), {}, ValueError, r"targets must be \[N\] = \(4,\) to match hidden \(4, 8\), got \(5,\)"),
     ((4, 8), (8, 10), (4,), dict(ref_logprobs=(3,)), ValueError, r"ref_logprobs must have the shape of targets"),
     ((4, 8), (8, 10), (4,), dict(temperature=0.0), ValueError, r"temperature must be > 0"),
+    ((4, 8), (8, 10), (4,), dict(row_temperature=(3,)), ValueError, r"row_temperature must have the shape of targets"),
     ((4, 8), (8, 10), (4,), dict(impl="cuda"), ValueError, r"impl must be one of"),
     ((4, 8), (8, 10), (4,), dict(impl="triton"), ValueError, r"impl must be one of .*'pallas_gpu'"),
   ],
 )
 def test_bad_inputs_raise(hidden_shape, w_shape, targets_shape, kwargs, error, match):
   kwargs = dict(kwargs)
-  if "ref_logprobs" in kwargs:
-    kwargs["ref_logprobs"] = jnp.zeros(kwargs["ref_logprobs"])
+  for name in ("ref_logprobs", "row_temperature"):
+    if name in kwargs:
+      kwargs[name] = jnp.ones(kwargs[name])
   with pytest.raises(error, match=match):
     fl.fused_logprobs(jnp.zeros(hidden_shape), jnp.zeros(w_shape), jnp.zeros(targets_shape, jnp.int32), **kwargs)
 
@@ -337,6 +379,8 @@ def test_bad_dtypes_and_block_sizes_raise():
     fl.BlockSizes(block_n=0)
   with pytest.raises(ValueError, match="BlockSizes.num_warps must be a positive int or None, got 2.5"):
     fl.BlockSizes(num_warps=2.5)
+  with pytest.raises(ValueError, match="BlockSizes.block_v must be a positive int or None, got True"):
+    fl.BlockSizes(block_v=True)
 
 
 def test_sharded_bad_vocab_split_raises():

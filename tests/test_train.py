@@ -593,8 +593,12 @@ def test_fused_logprob_kernel_in_the_loss_matches_full_logits():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p_fused, p_full)
 
 
-def test_fused_log_probs_use_the_compute_dtype():
-  """f32 parameters, bf16 compute: the kernel multiplies in bf16 like the full logits (not in the params' f32)."""
+@pytest.mark.parametrize("temperature", [1.0, (0.7, 0.6, 1.3, 1.0)])
+def test_fused_log_probs_use_the_compute_dtype(temperature):
+  """f32 parameters, bf16 compute: the kernel multiplies in bf16 like the full logits (not in the params' f32),
+  and divides the float32 logits by each row's temperature after the matmul, as the full path and the
+  sampler do: folded into the bf16 hidden states, 1 / T rounded them again (log-probs 1.2e-3 off at T = 0.7,
+  gradients 4.5e-3 apart)."""
   import dataclasses
 
   from mimo_jax.models.logprobs import completion_stats
@@ -602,11 +606,25 @@ def test_fused_log_probs_use_the_compute_dtype():
   model = Transformer(dataclasses.replace(tiny(), dtype="bfloat16"), rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   prompt, completion = (jnp.asarray(rng.integers(4, 200, (4, n)), jnp.int32) for n in (8, 6))
-  args = (prompt, jnp.ones(prompt.shape, bool), completion, jnp.ones(completion.shape, bool), 1.0)
-  full = completion_stats(model, *args, impl="full")
-  fused = completion_stats(model, *args, impl="fused")
+  args = (prompt, jnp.ones(prompt.shape, bool), completion, jnp.ones(completion.shape, bool))
+  temp = jnp.asarray(temperature, jnp.float32)
+  full = completion_stats(model, *args, temp, impl="full")
+  fused = completion_stats(model, *args, temp, impl="fused")
   np.testing.assert_allclose(fused[0], full[0], atol=1e-5)  # an f32 unembedding differs by ~2e-3 here
   np.testing.assert_allclose(fused[1], full[1], atol=1e-4)
+  graphdef, params = nnx.split(model)
+
+  def grads(impl):
+    def loss(p):
+      logp, ent = completion_stats(nnx.merge(graphdef, p), *args, temp, impl=impl)
+      return jnp.sum(logp) + 0.1 * jnp.sum(ent)
+
+    return jax.grad(loss)(params)
+
+  g_full, g_fused = (
+    jnp.concatenate([x.astype(jnp.float32).ravel() for x in jax.tree.leaves(grads(i))]) for i in ("full", "fused")
+  )
+  assert float(jnp.linalg.norm(g_fused - g_full) / jnp.linalg.norm(g_full)) < 1e-4
 
 
 def test_fused_kernel_under_the_trainer_mesh_splits_rows_and_vocabulary():

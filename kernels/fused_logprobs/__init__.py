@@ -1,7 +1,8 @@
 """Fused unembedding + log-softmax statistics, streamed over vocabulary blocks.
 
 For ``hidden [N, H]``, ``w_unembed [H, V]`` and ``targets [N]`` this computes, per token, with logits
-``l = hidden @ w_unembed / T``:
+``l = hidden @ w_unembed / T`` (``T``: ``temperature`` times the row's ``row_temperature``, applied to the
+float32 logits after the matmul, never folded into a bf16 ``hidden``):
 
 - ``logprobs[n] = l[n, t_n] - lse_n`` where ``lse_n = logsumexp_j l[n, j]``;
 - ``entropy[n] = lse_n - mu_n`` with ``mu_n = sum_j p[n, j] l[n, j]`` (the entropy of ``softmax(l[n])``);

@@ -9,7 +9,15 @@ from typing import Literal
 import jax
 
 from mimo_jax.kernels.fused_logprobs import pallas_gpu, pallas_tpu, xla
-from mimo_jax.kernels.fused_logprobs.common import Acc, BlockSizes, LogprobStats, finalize, k3_kl, validate
+from mimo_jax.kernels.fused_logprobs.common import (
+  Acc,
+  BlockSizes,
+  LogprobStats,
+  finalize,
+  k3_kl,
+  row_inv_temperature,
+  validate,
+)
 from mimo_jax.kernels.fused_logprobs.reference import fused_logprobs_reference
 
 Impl = Literal["auto", "reference", "xla", "pallas", "pallas_tpu", "pallas_gpu"]
@@ -47,9 +55,16 @@ def resolve_block_sizes(impl: str, block_sizes: BlockSizes | None) -> BlockSizes
 
 
 def accumulate(
-  impl: str, hidden: jax.Array, w: jax.Array, targets: jax.Array, inv_temp: float, sizes: BlockSizes, interpret: bool
+  impl: str,
+  hidden: jax.Array,
+  w: jax.Array,
+  targets: jax.Array,
+  inv_temp: jax.Array,
+  sizes: BlockSizes,
+  interpret: bool,
 ) -> Acc:
-  """(m, s, u, t) accumulators ``[N]`` over the columns of ``w`` from the chosen forward implementation."""
+  """(m, s, u, t) accumulators ``[N]`` over the columns of ``w`` from the chosen forward implementation
+  (each row's float32 logits times its ``inv_temp``)."""
   if impl == "xla":
     return xla.accumulate(hidden, w, targets, inv_temp, sizes)
   if hidden.shape[0] == 0:
@@ -65,21 +80,21 @@ def backward_sizes(sizes: BlockSizes) -> BlockSizes:
   return BlockSizes(block_v=sizes.bwd_block_v)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _stats(hidden, w, targets, inv_temp: float, impl: str, sizes: BlockSizes, interpret: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _stats(hidden, w, targets, inv_temp, impl: str, sizes: BlockSizes, interpret: bool):
   return _stats_fwd(hidden, w, targets, inv_temp, impl, sizes, interpret)[0]
 
 
 def _stats_fwd(hidden, w, targets, inv_temp, impl, sizes, interpret):
   logprobs, entropy, lse, mu = finalize(*accumulate(impl, hidden, w, targets, inv_temp, sizes, interpret))
-  return (logprobs, entropy), (hidden, w, targets, lse, mu)
+  return (logprobs, entropy), (hidden, w, targets, inv_temp, lse, mu)
 
 
-def _stats_bwd(inv_temp, impl, sizes, interpret, res, cts):
+def _stats_bwd(impl, sizes, interpret, res, cts):
   del impl, interpret  # Every implementation shares the blockwise XLA backward.
-  hidden, w, targets, lse, mu = res
+  hidden, w, targets, inv_temp, lse, mu = res
   dh, dw = xla.backward(hidden, w, targets, lse, mu, *cts, inv_temp, backward_sizes(sizes))
-  return dh.astype(hidden.dtype), dw.astype(w.dtype), None
+  return dh.astype(hidden.dtype), dw.astype(w.dtype), None, None  # the temperatures are constants
 
 
 _stats.defvjp(_stats_fwd, _stats_bwd)
@@ -93,6 +108,7 @@ def fused_logprobs(
   *,
   temperature: float = 1.0,
   ref_logprobs: jax.Array | None = None,
+  row_temperature: jax.Array | None = None,
   impl: Impl = "auto",
   block_sizes: BlockSizes | None = None,
   interpret: bool = False,
@@ -105,6 +121,9 @@ def fused_logprobs(
     targets: ``[N]`` integer token ids in ``[0, V)`` (not checked: out-of-range gives ``-lse``).
     temperature: static positive float; logits are divided by it.
     ref_logprobs: optional ``[N]`` reference logprobs (no gradient flows into them); enables ``kl``.
+    row_temperature: optional ``[N]`` positive per-row temperatures (traced; no gradient), dividing each row's
+      logits besides ``temperature``.  Like ``temperature`` it divides the float32 logits after the matmul,
+      so a bf16 model's rows see exactly the logits of ``(hidden @ w_unembed) / T``.
     impl: ``auto`` (``pallas_gpu`` on GPU, ``pallas_tpu`` on TPU, ``xla`` elsewhere), ``reference``, ``xla``,
       ``pallas`` (the backend's Pallas kernel), ``pallas_tpu`` or ``pallas_gpu``.
     block_sizes: static tile sizes; ``None`` fields take the implementation's defaults.
@@ -113,12 +132,15 @@ def fused_logprobs(
   Returns:
     ``LogprobStats`` of float32 ``[N]`` arrays; differentiable w.r.t. ``hidden`` and ``w_unembed``.
   """
-  validate(hidden, w_unembed, targets, ref_logprobs, temperature)
+  validate(hidden, w_unembed, targets, ref_logprobs, temperature, row_temperature)
   impl = resolve_impl(impl)
   if impl == "reference":
-    return fused_logprobs_reference(hidden, w_unembed, targets, temperature=temperature, ref_logprobs=ref_logprobs)
+    return fused_logprobs_reference(
+      hidden, w_unembed, targets, temperature=temperature, ref_logprobs=ref_logprobs, row_temperature=row_temperature
+    )
   sizes = resolve_block_sizes(impl, block_sizes)
-  logprobs, entropy = _stats(hidden, w_unembed, targets, 1.0 / temperature, impl, sizes, interpret)
+  inv_temp = row_inv_temperature(hidden.shape[0], temperature, row_temperature)
+  logprobs, entropy = _stats(hidden, w_unembed, targets, inv_temp, impl, sizes, interpret)
   kl = None if ref_logprobs is None else k3_kl(ref_logprobs, logprobs)
   return LogprobStats(logprobs, entropy, kl)
 

@@ -58,7 +58,7 @@ class BlockSizes:
   def __post_init__(self):
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
-      if value is not None and (not isinstance(value, int) or value <= 0):
+      if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
         raise ValueError(f"BlockSizes.{f.name} must be a positive int or None, got {value!r}")
 
   def with_defaults(self, defaults: BlockSizes) -> BlockSizes:
@@ -173,7 +173,7 @@ def pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
   return jnp.pad(x, widths)
 
 
-def validate(hidden, w_unembed, targets, ref_logprobs, temperature) -> None:
+def validate(hidden, w_unembed, targets, ref_logprobs, temperature, row_temperature=None) -> None:
   """Raises ValueError/TypeError naming the offending array and its shape or dtype."""
   if hidden.ndim != 2:
     raise ValueError(f"hidden must be [N, H], got shape {hidden.shape}")
@@ -196,3 +196,15 @@ def validate(hidden, w_unembed, targets, ref_logprobs, temperature) -> None:
     raise ValueError(f"ref_logprobs must have the shape of targets {targets.shape}, got {ref_logprobs.shape}")
   if not temperature > 0:
     raise ValueError(f"temperature must be > 0, got {temperature}")
+  if row_temperature is not None:
+    if row_temperature.shape != targets.shape:
+      raise ValueError(f"row_temperature must have the shape of targets {targets.shape}, got {row_temperature.shape}")
+    if not jnp.issubdtype(row_temperature.dtype, jnp.floating):
+      raise TypeError(f"row_temperature must be floating point, got dtype {row_temperature.dtype}")
+
+
+def row_inv_temperature(n: int, temperature: float, row_temperature: jax.Array | None) -> jax.Array:
+  """Float32 ``[N]``, each row's ``1 / (temperature * row_temperature)``: the factor applied to the float32
+  logits after the matmul (folding it into the hidden states would round them again in a bf16 model)."""
+  inv = jnp.full((n,), 1.0 / temperature, jnp.float32)
+  return inv if row_temperature is None else inv / row_temperature.astype(jnp.float32)

@@ -47,10 +47,11 @@ _TARGET_PROGRAMS = 256
 
 
 def _kernel(
-  h_ref, w_ref, t_ref, m_ref, s_ref, u_ref, tl_ref, *, inv_temp, block_v, block_h, v, num_v_blocks, per_split, precision
+  h_ref, w_ref, t_ref, it_ref, m_ref, s_ref, u_ref, tl_ref, *, block_v, block_h, v, num_v_blocks, per_split, precision
 ):
   split = pl.program_id(1)
   tgt = t_ref[...]  # [bn]
+  scale = it_ref[...][:, None]  # [bn, 1]: each row's 1 / T
   bn = tgt.shape[0]
   num_h_blocks = h_ref.shape[1] // block_h
 
@@ -65,7 +66,7 @@ def _kernel(
       w_blk = w_ref[pl.ds(h0, block_h), pl.ds(start, block_v)]  # [bh, bv]
       return logits + jnp.dot(h_blk, w_blk, precision=precision, preferred_element_type=jnp.float32)
 
-    logits = lax.fori_loop(0, num_h_blocks, contract, jnp.zeros((bn, block_v), jnp.float32)) * inv_temp
+    logits = lax.fori_loop(0, num_h_blocks, contract, jnp.zeros((bn, block_v), jnp.float32)) * scale
     cols = start + jnp.arange(block_v, dtype=jnp.int32)
     valid = (cols >= b * block_v) & (cols < v) & (b < num_v_blocks)
     return online_update(acc, logits, valid[None, :], cols[None, :], tgt)
@@ -95,7 +96,7 @@ def _num_splits(block_sizes: BlockSizes, num_row_blocks: int, num_v_blocks: int)
 
 
 def accumulate(
-  hidden: jax.Array, w: jax.Array, targets: jax.Array, inv_temp: float, block_sizes: BlockSizes, interpret: bool
+  hidden: jax.Array, w: jax.Array, targets: jax.Array, inv_temp: jax.Array, block_sizes: BlockSizes, interpret: bool
 ) -> Acc:
   """(m, s, u, t) accumulators, float32 ``[N]`` (N > 0); targets outside ``[0, V)`` match no column."""
   n, h = hidden.shape
@@ -114,9 +115,9 @@ def accumulate(
   hidden_p = pad_to(pad_to(hidden, 0, n_pad), 1, h_pad)
   w_p = pad_to(pad_to(w, 0, h_pad), 1, v_pad)
   targets_p = pad_to(targets.astype(jnp.int32), 0, n_pad)
+  inv_temp_p = pad_to(inv_temp.astype(jnp.float32), 0, n_pad)  # padded rows are dropped: their 0 is harmless
   kernel = functools.partial(
     _kernel,
-    inv_temp=inv_temp,
     block_v=bv,
     block_h=bh,
     v=v,
@@ -133,11 +134,12 @@ def accumulate(
       pl.BlockSpec((bn, h_pad), lambda i, s: (i, 0)),
       pl.BlockSpec((h_pad, v_pad), lambda i, s: (0, 0)),  # whole w: the kernel slices its own tiles
       pl.BlockSpec((bn,), lambda i, s: (i,)),
+      pl.BlockSpec((bn,), lambda i, s: (i,)),
     ],
     out_specs=(acc_spec,) * 4,
     compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
     interpret=interpret,
     name="fused_logprobs_fwd_gpu",
-  )(hidden_p, w_p, targets_p)
+  )(hidden_p, w_p, targets_p, inv_temp_p)
   merged = combine_partials(partial, lambda x: x.max(axis=0), lambda x: x.sum(axis=0))
   return tuple(x[:n] for x in merged)

@@ -39,7 +39,7 @@ from mimo_jax.kernels.fused_logprobs.common import (
 DEFAULT_BLOCK_SIZES = BlockSizes(block_n=256, block_v=512, block_h=512)
 
 
-def _kernel(h_ref, w_ref, t_ref, m_ref, s_ref, u_ref, tl_ref, logits_ref, *, inv_temp, block_v, v, num_h_blocks):
+def _kernel(h_ref, w_ref, t_ref, it_ref, m_ref, s_ref, u_ref, tl_ref, logits_ref, *, block_v, v, num_h_blocks):
   j, k = pl.program_id(1), pl.program_id(2)
 
   @pl.when((j == 0) & (k == 0))
@@ -57,7 +57,7 @@ def _kernel(h_ref, w_ref, t_ref, m_ref, s_ref, u_ref, tl_ref, logits_ref, *, inv
 
   @pl.when(k == num_h_blocks - 1)
   def _fold():
-    logits = logits_ref[...] * inv_temp  # [bn, bv]
+    logits = logits_ref[...] * it_ref[...]  # [bn, bv] times each row's 1 / T
     cols = j * block_v + lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     acc = (m_ref[...], s_ref[...], u_ref[...], tl_ref[...])
     m, s, u, t = online_update(acc, logits, cols < v, cols, t_ref[...], keepdims=True)
@@ -68,7 +68,7 @@ def _kernel(h_ref, w_ref, t_ref, m_ref, s_ref, u_ref, tl_ref, logits_ref, *, inv
 
 
 def accumulate(
-  hidden: jax.Array, w: jax.Array, targets: jax.Array, inv_temp: float, block_sizes: BlockSizes, interpret: bool
+  hidden: jax.Array, w: jax.Array, targets: jax.Array, inv_temp: jax.Array, block_sizes: BlockSizes, interpret: bool
 ) -> Acc:
   """(m, s, u, t) accumulators, float32 ``[N]`` (N > 0); targets outside ``[0, V)`` match no column."""
   n, h = hidden.shape
@@ -94,12 +94,13 @@ def accumulate(
     bytes_accessed=grid[1] * rows * h_pad * hidden.dtype.itemsize + grid[0] * h_pad * cols * w.dtype.itemsize,
   )
   out = pl.pallas_call(
-    functools.partial(_kernel, inv_temp=inv_temp, block_v=bv, v=v, num_h_blocks=grid[2]),
+    functools.partial(_kernel, block_v=bv, v=v, num_h_blocks=grid[2]),
     out_shape=(jax.ShapeDtypeStruct((n, 1), jnp.float32),) * 4,
     grid=grid,
     in_specs=[
       pl.BlockSpec((bn, bh), lambda i, j, k: (i, k)),
       pl.BlockSpec((bh, bv), lambda i, j, k: (k, j)),
+      pl.BlockSpec((bn, 1), lambda i, j, k: (i, 0)),
       pl.BlockSpec((bn, 1), lambda i, j, k: (i, 0)),
     ],
     out_specs=(acc_spec,) * 4,
@@ -108,5 +109,5 @@ def accumulate(
     cost_estimate=cost,
     interpret=interpret,
     name="fused_logprobs_fwd_tpu",
-  )(hidden_p, w_p, targets_p)
+  )(hidden_p, w_p, targets_p, inv_temp.astype(jnp.float32)[:, None])
   return tuple(x[:, 0] for x in out)

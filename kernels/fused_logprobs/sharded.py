@@ -22,7 +22,15 @@ from jax.sharding import PartitionSpec as P
 
 from mimo_jax.kernels.fused_logprobs import xla
 from mimo_jax.kernels.fused_logprobs.api import Impl, accumulate, backward_sizes, resolve_block_sizes, resolve_impl
-from mimo_jax.kernels.fused_logprobs.common import BlockSizes, LogprobStats, combine_partials, finalize, k3_kl, validate
+from mimo_jax.kernels.fused_logprobs.common import (
+  BlockSizes,
+  LogprobStats,
+  combine_partials,
+  finalize,
+  k3_kl,
+  row_inv_temperature,
+  validate,
+)
 
 
 def _specs(axis: str | None, batch_axes: tuple[str, ...]) -> tuple[P, P, P]:
@@ -35,31 +43,33 @@ def _col_offset(axis: str | None, local_v: int):
   return 0 if axis is None else lax.axis_index(axis) * local_v
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
-def _sharded_stats(hidden, w, targets, mesh, axis, batch_axes, inv_temp, impl, sizes, interpret):
-  return _sharded_fwd(hidden, w, targets, mesh, axis, batch_axes, inv_temp, impl, sizes, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _sharded_stats(hidden, w, targets, inv_temp, mesh, axis, batch_axes, impl, sizes, interpret):
+  return _sharded_fwd(hidden, w, targets, inv_temp, mesh, axis, batch_axes, impl, sizes, interpret)[0]
 
 
-def _sharded_fwd(hidden, w, targets, mesh, axis, batch_axes, inv_temp, impl, sizes, interpret):
-  def local(h, w_loc, tgt):
-    acc = accumulate(impl, h, w_loc, tgt - _col_offset(axis, w_loc.shape[1]), inv_temp, sizes, interpret)
+def _sharded_fwd(hidden, w, targets, inv_temp, mesh, axis, batch_axes, impl, sizes, interpret):
+  def local(h, w_loc, tgt, inv):
+    acc = accumulate(impl, h, w_loc, tgt - _col_offset(axis, w_loc.shape[1]), inv, sizes, interpret)
     if axis is not None:
       acc = combine_partials(acc, lambda x: lax.pmax(x, axis), lambda x: lax.psum(x, axis))
     return finalize(*acc)
 
   h_spec, w_spec, row_spec = _specs(axis, batch_axes)
-  fn = jax.shard_map(local, mesh=mesh, in_specs=(h_spec, w_spec, row_spec), out_specs=(row_spec,) * 4, check_vma=False)
-  logprobs, entropy, lse, mu = fn(hidden, w, targets)
-  return (logprobs, entropy), (hidden, w, targets, lse, mu)
+  fn = jax.shard_map(
+    local, mesh=mesh, in_specs=(h_spec, w_spec, row_spec, row_spec), out_specs=(row_spec,) * 4, check_vma=False
+  )
+  logprobs, entropy, lse, mu = fn(hidden, w, targets, inv_temp)
+  return (logprobs, entropy), (hidden, w, targets, inv_temp, lse, mu)
 
 
-def _sharded_bwd(mesh, axis, batch_axes, inv_temp, impl, sizes, interpret, res, cts):
+def _sharded_bwd(mesh, axis, batch_axes, impl, sizes, interpret, res, cts):
   del impl, interpret
-  hidden, w, targets, lse, mu = res
+  hidden, w, targets, inv_temp, lse, mu = res
 
-  def local(h, w_loc, tgt, lse_, mu_, g_lp, g_ent):
+  def local(h, w_loc, tgt, inv, lse_, mu_, g_lp, g_ent):
     tgt = tgt - _col_offset(axis, w_loc.shape[1])
-    dh, dw = xla.backward(h, w_loc, tgt, lse_, mu_, g_lp, g_ent, inv_temp, backward_sizes(sizes))
+    dh, dw = xla.backward(h, w_loc, tgt, lse_, mu_, g_lp, g_ent, inv, backward_sizes(sizes))
     if axis is not None:
       dh = lax.psum(dh, axis)
     if batch_axes:
@@ -70,12 +80,12 @@ def _sharded_bwd(mesh, axis, batch_axes, inv_temp, impl, sizes, interpret, res, 
   fn = jax.shard_map(
     local,
     mesh=mesh,
-    in_specs=(h_spec, w_spec, row_spec, row_spec, row_spec, row_spec, row_spec),
+    in_specs=(h_spec, w_spec, row_spec, row_spec, row_spec, row_spec, row_spec, row_spec),
     out_specs=(h_spec, w_spec),
     check_vma=False,
   )
-  dh, dw = fn(hidden, w, targets, lse, mu, *cts)
-  return dh.astype(hidden.dtype), dw.astype(w.dtype), None
+  dh, dw = fn(hidden, w, targets, inv_temp, lse, mu, *cts)
+  return dh.astype(hidden.dtype), dw.astype(w.dtype), None, None
 
 
 _sharded_stats.defvjp(_sharded_fwd, _sharded_bwd)
@@ -109,6 +119,7 @@ def fused_logprobs_sharded(
   batch_axes: tuple[str, ...] = (),
   temperature: float = 1.0,
   ref_logprobs: jax.Array | None = None,
+  row_temperature: jax.Array | None = None,
   impl: Impl = "auto",
   block_sizes: BlockSizes | None = None,
   interpret: bool = False,
@@ -124,6 +135,7 @@ def fused_logprobs_sharded(
     batch_axes: mesh axes over which the rows are split (hidden, targets and outputs); ``()`` replicates them.
     temperature: static positive float.
     ref_logprobs: optional ``[N]``; enables ``kl``.
+    row_temperature: optional ``[N]`` per-row temperatures (as in ``fused_logprobs``), sharded like the rows.
     impl: the per-device implementation (as in ``fused_logprobs``; ``reference`` is not blockwise and is refused).
     block_sizes: static tile sizes; ``None`` fields take the implementation's defaults.
     interpret: run a Pallas kernel in interpret mode (needed on CPU).
@@ -132,15 +144,16 @@ def fused_logprobs_sharded(
     ``LogprobStats`` of float32 ``[N]`` arrays sharded like the rows; differentiable w.r.t. ``hidden`` and
     ``w_unembed``.
   """
-  validate(hidden, w_unembed, targets, ref_logprobs, temperature)
+  validate(hidden, w_unembed, targets, ref_logprobs, temperature, row_temperature)
   batch_axes = tuple(batch_axes)
   _validate_mesh(mesh, axis, batch_axes, hidden.shape[0], w_unembed.shape[1], w_unembed.shape)
   impl = resolve_impl(impl)
   if impl == "reference":
     raise ValueError("fused_logprobs_sharded needs a blockwise impl ('auto', 'xla', 'pallas*'), got 'reference'")
   sizes = resolve_block_sizes(impl, block_sizes)
+  inv_temp = row_inv_temperature(hidden.shape[0], temperature, row_temperature)
   logprobs, entropy = _sharded_stats(
-    hidden, w_unembed, targets, mesh, axis, batch_axes, 1.0 / temperature, impl, sizes, interpret
+    hidden, w_unembed, targets, inv_temp, mesh, axis, batch_axes, impl, sizes, interpret
   )
   kl = None if ref_logprobs is None else k3_kl(ref_logprobs, logprobs)
   return LogprobStats(logprobs, entropy, kl)

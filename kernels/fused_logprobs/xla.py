@@ -30,8 +30,10 @@ def _vocab_window(b: jax.Array, bv: int, v: int) -> tuple[jax.Array, jax.Array, 
   return start, cols, cols >= b * bv
 
 
-def accumulate(hidden: jax.Array, w: jax.Array, targets: jax.Array, inv_temp: float, block_sizes: BlockSizes) -> Acc:
-  """(m, s, u, t) accumulators, float32 ``[N]``, over the columns of ``w``.
+def accumulate(
+  hidden: jax.Array, w: jax.Array, targets: jax.Array, inv_temp: jax.Array, block_sizes: BlockSizes
+) -> Acc:
+  """(m, s, u, t) accumulators, float32 ``[N]``, over the columns of ``w`` (logits times ``inv_temp [N]``).
 
   Targets outside ``[0, V)`` match no column (their ``t`` stays 0): a vocabulary shard passes global targets
   minus its column offset.
@@ -39,11 +41,12 @@ def accumulate(hidden: jax.Array, w: jax.Array, targets: jax.Array, inv_temp: fl
   n, v = hidden.shape[0], w.shape[1]
   bv = min(block_sizes.block_v, v)
   tgt = targets.astype(jnp.int32)
+  scale = inv_temp.astype(jnp.float32)[:, None]
 
   def body(b, acc):
     start, cols, valid = _vocab_window(b, bv, v)
     w_blk = lax.dynamic_slice_in_dim(w, start, bv, axis=1)  # [H, bv]
-    logits = jnp.dot(hidden, w_blk, preferred_element_type=jnp.float32) * inv_temp  # [N, bv]
+    logits = jnp.dot(hidden, w_blk, preferred_element_type=jnp.float32) * scale  # [N, bv]
     return online_update(acc, logits, valid, cols, tgt)
 
   return lax.fori_loop(0, -(-v // bv), body, init_acc((n,)))
@@ -57,7 +60,7 @@ def backward(
   mu: jax.Array,
   g_lp: jax.Array,
   g_ent: jax.Array,
-  inv_temp: float,
+  inv_temp: jax.Array,
   block_sizes: BlockSizes,
 ) -> tuple[jax.Array, jax.Array]:
   """Blockwise (dhidden ``[N, H]`` float32, dw ``[H, V]`` in ``w``'s dtype), recomputing probabilities from ``lse``."""
@@ -65,17 +68,17 @@ def backward(
   bv = min(block_sizes.block_v, v)
   mm_dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.promote_types(hidden.dtype, w.dtype)
   tgt = targets.astype(jnp.int32)[:, None]
-  lse, mu, g_lp, g_ent = (x.astype(jnp.float32)[:, None] for x in (lse, mu, g_lp, g_ent))
+  lse, mu, g_lp, g_ent, scale = (x.astype(jnp.float32)[:, None] for x in (lse, mu, g_lp, g_ent, inv_temp))
   hidden_t = hidden.astype(mm_dtype).T
 
   def body(b, carry):
     dh, dw = carry
     start, cols, valid = _vocab_window(b, bv, v)
     w_blk = lax.dynamic_slice_in_dim(w, start, bv, axis=1)  # [H, bv]
-    logits = jnp.dot(hidden, w_blk, preferred_element_type=jnp.float32) * inv_temp  # [N, bv]
+    logits = jnp.dot(hidden, w_blk, preferred_element_type=jnp.float32) * scale  # [N, bv]
     p = jnp.where(valid, jnp.exp(logits - lse), 0.0)
     onehot = (valid & (cols == tgt)).astype(jnp.float32)
-    dz = ((onehot * g_lp - p * (g_lp + g_ent * (logits - mu))) * inv_temp).astype(mm_dtype)  # dL/d(h @ w)
+    dz = ((onehot * g_lp - p * (g_lp + g_ent * (logits - mu))) * scale).astype(mm_dtype)  # dL/d(h @ w)
     dh = dh + jnp.dot(dz, w_blk.astype(mm_dtype).T, preferred_element_type=jnp.float32)  # [N, H]
     dw_blk = jnp.dot(hidden_t, dz, preferred_element_type=jnp.float32).astype(dw.dtype)  # [H, bv]
     # Every column is complete after its one block: write it once (the shifted tail keeps the columns it overlaps).

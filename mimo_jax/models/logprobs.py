@@ -83,8 +83,9 @@ LOGPROB_IMPLS = ("full", "fused")
 def _fused_stats(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, temperature, prompt_group=1):
   """Like :func:`_scaled_log_softmax` + entropy, without the ``[B, M, V]`` logits.
 
-  The per-row temperature is folded into the hidden states (``(h / T) @ W == (h @ W) / T``), and
-  the kernel (:mod:`mimo_jax.kernels.fused_logprobs`) streams over vocabulary blocks in the forward
+  The kernel divides each row's float32 logits by its temperature after the matmul, as the full path
+  does (folding ``1 / T`` into the hidden states would round them to the compute dtype a second time: in
+  a bf16 model, log-probs ~1e-3 off the full path's and the sampler's at T = 0.7), and it (:mod:`mimo_jax.kernels.fused_logprobs`) streams over vocabulary blocks in the forward
   and the backward pass. Under a mesh (:func:`mimo_jax.sharding.use_rules`) it runs per device under
   ``shard_map``: rows split like the batch, the vocabulary like the unembedding's ``vocab`` axis, so
   neither the logits nor the unembedding are gathered across the tensor axis.
@@ -92,20 +93,22 @@ def _fused_stats(model, prompt_tokens, prompt_mask, completion_tokens, completio
   from mimo_jax.kernels import fused_logprobs as fused
 
   hidden = completion_hidden(model, prompt_tokens, prompt_mask, completion_tokens, completion_mask, prompt_group)
-  hidden = hidden.astype(jnp.float32)
   B, M, D = hidden.shape
   temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))
   temp = jnp.where(temp <= 0, 1.0, temp)
   dt = jnp.dtype(model.config.dtype)  # the compute dtype, as in ``logits_from_hidden``
   w = model.unembedding().astype(dt)
-  scaled = (hidden / temp[:, None, None]).astype(dt).reshape(B * M, D)
+  rows = hidden.astype(dt).reshape(B * M, D)
+  row_temp = jnp.repeat(temp, M)
   targets = completion_tokens.reshape(-1).astype(jnp.int32)
   layout = sharding.kernel_layout(B * M, w.shape[1])
   if layout is None:
-    stats = fused.fused_logprobs(scaled, w, targets)
+    stats = fused.fused_logprobs(rows, w, targets, row_temperature=row_temp)
   else:
     mesh, vocab_axis, batch_axes = layout
-    stats = fused.fused_logprobs_sharded(scaled, w, targets, mesh, axis=vocab_axis, batch_axes=batch_axes)
+    stats = fused.fused_logprobs_sharded(
+      rows, w, targets, mesh, axis=vocab_axis, batch_axes=batch_axes, row_temperature=row_temp
+    )
   return stats.logprobs.reshape(B, M), stats.entropy.reshape(B, M)
 
 
