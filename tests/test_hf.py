@@ -102,6 +102,39 @@ def test_save_hf_sharded_files_with_index(tmp_path):
   )
 
 
+@pytest.mark.parametrize("first_sharded", [False, True])
+def test_an_export_over_an_earlier_one_of_another_layout_leaves_one_model(tmp_path, first_sharded):
+  """Saving over a directory whose earlier export had the other layout (one file vs shards with an index)
+  removes the earlier weight files: left beside the new ones, transformers read the single file and our
+  reader the index, two different models from one directory.  A directory holding both is refused."""
+  save_random_hf_model(str(tmp_path / "a"), arch="llama", seed=1)
+  save_random_hf_model(str(tmp_path / "b"), arch="llama", seed=2)
+  a, b = load_hf(str(tmp_path / "a")), load_hf(str(tmp_path / "b"))
+  out = str(tmp_path / "out")
+  big, small = 20_000, 4 * 1024**3
+  save_hf(a, out, max_shard_bytes=big if first_sharded else small)
+  save_hf(b, out, max_shard_bytes=small if first_sharded else big)
+  files = sorted(os.listdir(out))
+  weights = [f for f in files if f != "config.json"]
+  if first_sharded:
+    assert weights == ["model.safetensors"]
+  else:
+    assert "model.safetensors" not in weights and "model.safetensors.index.json" in weights
+  tokens, mask = _batch(5)
+  want = _our_logits(b, tokens, mask)
+  np.testing.assert_array_equal(_our_logits(load_hf(out), tokens, mask), want)
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(out)
+  theirs.eval()
+  np.testing.assert_allclose(_hf_logits(theirs, tokens, mask)[mask], want[mask], atol=1e-4)
+  # Both layouts in one directory (written by something else): refused, not one of them picked.
+  save_hf(a, str(tmp_path / "other"), max_shard_bytes=big if first_sharded else small)  # the other layout
+  for name in os.listdir(tmp_path / "other"):
+    if name.startswith("model"):
+      os.replace(tmp_path / "other" / name, os.path.join(out, name))
+  with pytest.raises(ValueError, match="holds both model.safetensors and model.safetensors.index.json"):
+    load_hf(out)
+
+
 def test_bf16_checkpoint_loads(tmp_path):
   hf_model = save_random_hf_model(str(tmp_path / "f32"), arch="qwen2")
   hf_model.to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))
@@ -247,6 +280,13 @@ def test_integer_tensor_dtype_is_refused(tmp_path):
     ({"head_dim": 15}, r"head_dim=15 must be even"),
     ({"max_position_embeddings": 0}, r"max_position_embeddings=0 must be a positive integer"),
     ({"tie_word_embeddings": "false"}, r"tie_word_embeddings='false' must be true or false"),
+    # transformers builds a Mistral (sliding windows) from this: loading it as Llama gave other logits.
+    (
+      {"model_type": "mistral", "sliding_window": 6},
+      r"model_type 'mistral' is not the family of architecture 'LlamaForCausalLM'",
+    ),
+    # transformers takes rope_scaling over rope_parameters: read the other way, other positions.
+    ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, r"rope_parameters and rope_scaling are both set"),
   ],
 )
 def test_bad_config_values_are_refused_naming_the_field(tmp_path, changes, pattern):

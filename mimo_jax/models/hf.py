@@ -28,8 +28,9 @@ import json
 import math
 import numbers
 import os
+import re
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -205,6 +206,13 @@ class CheckpointReader:
     single = os.path.join(path, "model.safetensors")
     index = os.path.join(path, "model.safetensors.index.json")
     self._where: dict[str, SafetensorsFile] = {}
+    if os.path.exists(index) and os.path.exists(single):
+      # Two models in one directory (e.g. a re-export over another layout): transformers reads the single
+      # file, an index-first reader the shards; refuse rather than pick one.
+      raise ValueError(
+        f"{path}: holds both model.safetensors and model.safetensors.index.json, two different layouts "
+        "(a stale export?); remove the one that is not the checkpoint"
+      )
     if os.path.exists(index):
       try:
         with open(index, encoding="utf-8") as f:
@@ -283,6 +291,12 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
   if params is not None and not isinstance(params, Mapping):
     raise ValueError(f"config.json: rope_parameters must be an object, got {type(params).__name__}")
   scaling = hf.get("rope_scaling")
+  if params is not None and scaling is not None and scaling != params:
+    # transformers takes rope_scaling over rope_parameters; a reader taking the other would load other positions.
+    raise ValueError(
+      "config.json: rope_parameters and rope_scaling are both set and differ; keep one (rope_parameters is the "
+      "transformers 5 spelling)"
+    )
   if params is None and scaling is not None and not isinstance(scaling, Mapping):
     raise ValueError(f"config.json: rope_scaling must be an object or null, got {type(scaling).__name__}")
   if isinstance(params, Mapping) and "rope_theta" not in params and "rope_type" not in params:
@@ -321,11 +335,20 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", compute_dty
   if not isinstance(hf, Mapping):
     raise ValueError(f"config.json: must be a JSON object, got {type(hf).__name__}")
   archs = hf.get("architectures") or []
-  arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(hf.get("model_type"))
+  families = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+  model_type = hf.get("model_type")
+  arch = archs[0] if archs else families.get(model_type)
   if arch not in SUPPORTED_ARCHITECTURES:
     raise ValueError(
-      f"config.json: architecture {arch or hf.get('model_type')!r} is not supported; "
+      f"config.json: architecture {arch or model_type!r} is not supported; "
       f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+  if model_type is not None and families.get(model_type) != arch:
+    # transformers builds the model from model_type: a "mistral" config (sliding windows) read as Llama
+    # would load into other logits.
+    raise ValueError(
+      f"config.json: model_type {model_type!r} is not the family of architecture {arch!r} "
+      f"(supported pairs: {', '.join(f'{k}/{v}' for k, v in families.items())})"
     )
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
@@ -721,12 +744,11 @@ def save_hf(model: Transformer, path: str, *, dtype: str | None = None, max_shar
   if jax.process_index() != 0:
     return
   torch_dtype = "bfloat16" if out_dtype == np.dtype(ml_dtypes.bfloat16) else str(out_dtype)
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(config_to_hf(cfg, torch_dtype=torch_dtype), f, indent=2)
   total = sum(t.nbytes for t in tensors.values())
   meta = {"format": "pt"}
   if total <= max_shard_bytes:
     write_safetensors(os.path.join(path, "model.safetensors"), tensors, meta)
+    _finish_export(path, ["model.safetensors"], config_to_hf(cfg, torch_dtype=torch_dtype))
     return
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
@@ -741,8 +763,32 @@ def save_hf(model: Transformer, path: str, *, dtype: str | None = None, max_shar
     fn = f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
     write_safetensors(os.path.join(path, fn), shard, meta)
     weight_map.update({name: fn for name in shard})
-  with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+  _write_json(
+    os.path.join(path, "model.safetensors.index.json"), {"metadata": {"total_size": total}, "weight_map": weight_map}
+  )
+  files = ["model.safetensors.index.json", *sorted(set(weight_map.values()))]
+  _finish_export(path, files, config_to_hf(cfg, torch_dtype=torch_dtype))
+
+
+_WEIGHT_FILE = re.compile(r"model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _write_json(path: str, obj: Any) -> None:
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(tmp, path)
+
+
+def _finish_export(path: str, written: Sequence[str], config: Mapping[str, Any]) -> None:
+  """After the weights: removes the weight files of an earlier export in ``path`` that this one did not
+  write (a single file left beside new shards, or shards beside a new single file, would be a second
+  model that some loader picks), then writes ``config.json`` last."""
+  keep = set(written)
+  for name in os.listdir(path):
+    if _WEIGHT_FILE.fullmatch(name) and name not in keep:
+      os.remove(os.path.join(path, name))
+  _write_json(os.path.join(path, "config.json"), config)
 
 
 def unused_tensors(reader: CheckpointReader, cfg: ModelConfig) -> list[str]:
