@@ -62,7 +62,7 @@ def test_reference_log_probs_against_the_f32_reference(policy, dtype, tol):
   expected = {
     "": sum(4 * x.size for x in ps),
     "bfloat16": sum(2 * x.size for x in ps),
-    # int8 weights and an f32 scale per output channel; vectors (norm scales) stay f32.
+    # int8 weights and an f32 scale over axis -2 of every stacked array; the unstacked vectors stay f32.
     "int8": sum(x.size + 4 * x.size // x.shape[-2] if x.ndim >= 2 else 4 * x.size for x in ps),
   }[dtype]
   assert got_bytes == expected

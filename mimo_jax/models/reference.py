@@ -4,11 +4,18 @@ The reference is read once per RL step (the score pass's reference log-probs) an
 it need not be stored like the trained weights:
 
 - ``--reference_dtype=bfloat16``: every floating parameter cast to bf16 (half of f32).
-- ``--reference_dtype=int8``: weight-only int8, one scale per output channel.  Every parameter with
-  two or more dimensions is stored as ``round(w / s)`` in int8 with ``s = max|w| / 127`` taken over
-  its input dimension (axis -2: the contraction axis of every projection, and the vocabulary axis
-  of the embedding table).  Vectors (norm scales) stay in the policy's dtype.  About a quarter of
-  f32.  The score pass dequantises to the policy's dtype before its forward pass.
+- ``--reference_dtype=int8``: weight-only int8.  Every floating parameter with two or more
+  dimensions is stored as ``round(w / s)`` in int8 with ``s = max|w| / 127`` taken over axis -2,
+  one scale per index of the other axes.  The parameters are stacked over layers, so this is the
+  contraction axis of the MLP and output projections (``[L, F, D]``, ``[L, H, D]`` of
+  ``[L, N, H, D]``) and of an untied head, but for q/k/v (``[L, D, N, H]``) it is the head axis (a
+  scale per layer, input channel and head dimension, shared by the heads), for the embedding
+  (``[V, D]``) the vocabulary axis, and for the stacked norm scales and biases (``[L, D]``,
+  ``[L, N, H]``) the layer or head axis.  Only unstacked vectors (the final norm's scale) stay in
+  the policy's dtype.  About a quarter of f32 overall (on the tiny preset's one KV head, ``w_k``
+  holds more bytes than in f32: its scale has as many entries as the weight).  The score pass
+  dequantises to the policy's dtype before its forward pass; the log-prob error this costs is
+  measured in the tests.
 - ``--reference_offload=host``: the reference lives in host memory (memory kind ``pinned_host``)
   and is copied to the devices inside the learner program, for the score pass only.
 
@@ -33,7 +40,7 @@ HOST = "pinned_host"
 
 @flax.struct.dataclass
 class Int8Weight:
-  """A weight-only int8 tensor: ``w ~= q * scale`` with ``scale`` per output channel (axis -2 reduced)."""
+  """A weight-only int8 tensor: ``w ~= q * scale``, ``scale`` taken over axis -2 (see the module docstring)."""
 
   q: jax.Array
   scale: jax.Array
