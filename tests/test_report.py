@@ -90,7 +90,7 @@ def test_the_report_shows_the_run(run_dir):
   # The sample replay: the last steps' completions, escaped; the config's every setting.
   samples = [json.loads(line) for line in open(run_dir / "samples.jsonl")]
   last = [s for s in samples if s["step"] == 6]
-  assert last and all(f"<td>{html.escape(s['prompt'])}</td>" in text for s in last)
+  assert last and all(f'<td class="text">{html.escape(s["prompt"])}</td>' in text for s in last)
   assert "<td>learning_rate</td>" in text and "<td>alarm_kl_max</td>" in text
   assert "http://" not in text and "https://" not in text and "<script" not in text  # self-contained
 
@@ -131,6 +131,11 @@ def test_the_report_in_a_real_browser(run_dir, tmp_path):
     assert broken == []
     headings = [e.text for e in driver.find_elements("tag name", "h2")]
     assert headings == SECTIONS
+    # Prompts and completions keep their newlines and indentation (code completions stay readable).
+    spaces = driver.execute_script(
+      "return Array.from(document.querySelectorAll('td.text')).map(e => getComputedStyle(e).whiteSpace)"
+    )
+    assert spaces and set(spaces) == {"pre-wrap"}
     errors = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
     assert errors == []
     os.makedirs(ARTIFACTS, exist_ok=True)
@@ -153,6 +158,20 @@ def test_the_report_of_a_live_run(run_dir, tmp_path, capsys):
   assert report([str(live)]) == 0
   text = open(live / "report.html", encoding="utf-8").read()
   assert "in progress or stopped: RL step 3 of 6 logged" in text
+  # A finished run continued to a larger --max_steps keeps its earlier summary until it ends again: not
+  # "complete".  Values from config.json and metrics.jsonl are text, never markup.
+  shutil.copy(run_dir / "summary.json", live / "summary.json")
+  cfg = json.loads(open(live / "config.json").read())
+  cfg["run"]["max_steps"] = 400
+  open(live / "config.json", "w").write(json.dumps(cfg))
+  assert report([str(live)]) == 0
+  text = open(live / "report.html", encoding="utf-8").read()
+  assert "RL step 3 of 400 logged (continued after completing 6 steps)" in text and ">complete<" not in text
+  cfg["run"]["max_steps"] = "<script>alert(1)</script>"
+  open(live / "config.json", "w").write(json.dumps(cfg))
+  assert report([str(live)]) == 0
+  text = open(live / "report.html", encoding="utf-8").read()
+  assert "<script" not in text and "of &lt;script&gt;alert(1)&lt;/script&gt; logged" in text
   assert report([str(tmp_path / "nothing")]) == 2
   assert "not a run directory" in capsys.readouterr().err
 

@@ -27,6 +27,7 @@ figure{margin:0;flex:0 1 calc(50% - 6px);min-width:480px;max-width:100%} figure 
 figcaption{font-size:.85em;color:#555}
 table{border-collapse:collapse;font-size:.85em;margin:.4em 0} td,th{border:1px solid #ddd;padding:3px 7px;
   text-align:left;vertical-align:top} th{background:#f5f5f7} td.num{text-align:right;font-variant-numeric:tabular-nums}
+td.text{white-space:pre-wrap;word-break:break-word}
 pre{background:#f5f5f7;padding:.6em;overflow-x:auto;font-size:.8em;white-space:pre-wrap;word-break:break-word}
 .alarm{color:#b00020;font-weight:600} .ok{color:#0a7d32;font-weight:600} .warn{color:#a15c00;font-weight:600}
 details{margin:.4em 0} summary{cursor:pointer;font-weight:600}

@@ -12,6 +12,7 @@ reward distribution over time; the alarms; the sample replay; the resolved confi
 from __future__ import annotations
 
 import datetime
+import html
 import json
 import os
 import re
@@ -72,14 +73,21 @@ def run_report(run: Mapping[str, Any]) -> Page:
   # --- state -------------------------------------------------------------------------------------------
   page.heading("State", anchor="state")
   last = rl[-1]["step"] if rl else 0
-  if summary is not None:
+  if summary is not None and summary.get("rl_steps") == max_steps:
     status, cls = "complete", "ok"
+  elif summary is not None:  # a finished run continued to a larger --max_steps: its summary is the earlier end's
+    status = (
+      f"in progress or stopped: RL step {last} of {max_steps} logged (continued after completing "
+      f"{summary.get('rl_steps')} steps)"
+    )
+    cls = "warn"
   else:
     status, cls = f"in progress or stopped: RL step {last} of {max_steps} logged", "warn"
   updated = ""
   if run["updated"] is not None:
     when = datetime.datetime.fromtimestamp(run["updated"], datetime.UTC)
     updated = f"; metrics last written {when:%Y-%m-%d %H:%M:%S} UTC"
+  status = html.escape(status)  # holds config.json's and metrics.jsonl's values
   page.raw(f'<p>Status: <span class="{cls}">{status}</span>{updated}; {len(run["alarms"])} alarm(s).</p>')
   keys = _eval_keys(evals)
   rows = []
@@ -278,6 +286,7 @@ def run_report(run: Mapping[str, Any]) -> Page:
         for s in shown
       ],
       ["step", "kind", "prompt id", "policy", "sampling", "reward", "length", "finish", "kl", "prompt", "completion"],
+      classes=[""] * 9 + ["text", "text"],  # newlines and indentation kept (code completions)
     )
   else:
     page.paragraph("No samples yet (or --log_samples=0).")
