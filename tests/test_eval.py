@@ -392,6 +392,23 @@ def test_cli_refuses_missing_checkpoints_and_bad_flags(trained_run, tmp_path, ca
   assert rc == 2 and "eval_samples" in err
   rc, _, err = _cli(capsys)
   assert rc == 2 and "--checkpoint is required" in err
+  for value in ("nan", "inf"):  # a non-finite temperature was accepted, and printed as JSON's invalid NaN
+    rc, _, err = _cli(capsys, f"--checkpoint={run_dir}", f"--eval_temperature={value}")
+    assert rc == 2 and f"--eval_temperature={value}: must be > 0" in err
+  rc, _, err = _cli(capsys, f"--checkpoint={run_dir}", f"--eval_seed={10**23}")
+  assert rc == 2 and "must fit in 64 bits" in err  # was an OverflowError traceback
+  rc, _, err = _cli(capsys, f"--checkpoint={run_dir}", f"--output={tmp_path}")
+  assert rc == 2 and "is a directory" in err  # was an IsADirectoryError traceback, after the evaluation
+
+  # A checkpoint whose model_config this version does not know (a newer trainer's): a named refusal.
+  newer = tmp_path / "newer"
+  shutil.copytree(run_dir, newer)
+  for meta in (newer / "checkpoints").glob("*/meta/metadata"):
+    data = json.loads(meta.read_text())
+    data["model_config"]["sliding_window"] = 8
+    meta.write_text(json.dumps(data))
+  rc, _, err = _cli(capsys, f"--checkpoint={newer / 'checkpoints' / '9'}")
+  assert rc == 2 and "model_config has fields this version does not know: sliding_window" in err, err
 
   # A run directory whose config.json this version cannot read.
   odd = tmp_path / "odd"
@@ -431,16 +448,24 @@ def test_cli_all_evaluates_every_checkpoint_into_the_eval_curve_and_resumes(trai
   warm, final = evals[0]["eval/greedy_accuracy"], evals[3]["eval/greedy_accuracy"]
   assert [r["greedy_accuracy"] for r in rows] == [warm, warm, final]
   assert res["eval_curve"] == [{k: r[k] for k in ("checkpoint_step", "phase", "step", "greedy_accuracy")} for r in rows]
-  # Rerun with the same settings: the rows of checkpoints 7 and 9 are reused as they are (the first is
-  # evaluated again to learn the resolved settings).
+  # Rerun with the same settings: every row is reused as it is (the settings are worked out before the
+  # first checkpoint, which was evaluated again); rows edited into another shape are not results.
   before = (run_dir / "eval_curve.jsonl").read_text()
-  rows[2]["marker"] = True
-  (run_dir / "eval_curve.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-  rc, _, err = _cli(capsys, f"--run_dir={run_dir}", "--all", "--eval_prompts=16")
+  for r in rows:
+    r["marker"] = True
+  lines = [json.dumps(r) + "\n" for r in rows] + ["null\n", '{"phase": "rl"}\n', '{"checkpoint_step": "9"}\n']
+  (run_dir / "eval_curve.jsonl").write_text("".join(lines))
+  assert eval_main(["prog", f"--run_dir={run_dir}", "--all", "--eval_prompts=16"]) == 0
+  printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+  assert len(printed) == 1  # the result; no progress row: nothing evaluated, the file left as it was
+  assert json.loads(printed[0])["eval_curve"] == res["eval_curve"]
+  assert (run_dir / "eval_curve.jsonl").read_text() == "".join(lines)
+  assert before.count("\n") == 3
+  # Other settings: every checkpoint is evaluated again and its row replaced.
+  rc, _, err = _cli(capsys, f"--run_dir={run_dir}", "--all", "--eval_prompts=16", "--eval_samples=4")
   assert rc == 0, err
   again = [json.loads(line) for line in open(run_dir / "eval_curve.jsonl")]
-  assert again[2].get("marker") is True and [r["greedy_accuracy"] for r in again] == [warm, warm, final]
-  assert before.count("\n") == 3
+  assert [r.get("marker") for r in again] == [None] * 3 and [r["eval_samples"] for r in again] == [4] * 3
   # Bad combinations are refused before anything runs.
   for argv, message in (
     (["--all"], "--all needs --run_dir"),

@@ -102,8 +102,12 @@ def test_overwrite_replaces_a_broken_config_json(finished_run, tmp_path, capsys)
   (run_dir / "config.json").write_text(text[: len(text) // 2])
   assert main(["prog", *SMALL, f"--run_dir={run_dir}"]) == 2
   assert "config.json: unreadable" in capsys.readouterr().err
+  # The old run's held-out curve (`python -m mimo_jax.eval --all`) goes with it: kept, `--all` would
+  # report the old run's rows for the new run's checkpoints of the same numbers.
+  (run_dir / "eval_curve.jsonl").write_text('{"checkpoint_step": 9, "greedy_accuracy": 0.777}\n')
   assert main(["prog", *SMALL, f"--run_dir={run_dir}", "--overwrite"]) == 0
   assert kill_resume.compare(str(finished_run), str(run_dir)) == []
+  assert not (run_dir / "eval_curve.jsonl").exists()
 
 
 def test_an_overwrite_refused_before_it_starts_keeps_the_old_run(finished_run, tmp_path, capsys):

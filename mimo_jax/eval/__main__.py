@@ -70,11 +70,10 @@ def define_flags(fv: flags.FlagValues) -> None:
 
 
 def _write_json(path: str, obj: dict) -> None:
+  from mimo_jax.files import write_atomic
+
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2)
-  os.replace(tmp, path)
+  write_atomic(path, json.dumps(obj, indent=2))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,6 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--checkpoint is required: a run directory or <run_dir>/checkpoints/<step> (or --run_dir --all)"
       )
     ks = parse_int_list("ks", fv.ks) if fv.ks else None
+    if not -(2**63) <= fv.eval_seed < 2**63:
+      raise ConfigError(f"--eval_seed={fv.eval_seed}: must fit in 64 bits")
+    if fv.output and os.path.isdir(fv.output):
+      raise ConfigError(f"--output={fv.output}: is a directory; name the JSON file to write")
   except (flags.Error, ConfigError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -138,7 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   print(json.dumps(result), flush=True)
   if fv.output:
-    _write_json(fv.output, result)
+    try:
+      _write_json(fv.output, result)
+    except OSError as e:
+      print(f"error: --output={fv.output}: {e.strerror or e} (the results are printed above)", file=sys.stderr)
+      return 2
   return 0
 
 

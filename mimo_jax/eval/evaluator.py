@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
@@ -32,6 +33,7 @@ from mimo_jax.ckpt.manager import CheckpointCorrupted, Checkpointer
 from mimo_jax.config import ADDED_FROM, ADDED_SETTINGS, CONCERN_CLASSES, RUN_RECORD_KEYS, Config, default_ks
 from mimo_jax.config_base import ConfigError, coerce_value
 from mimo_jax.eval.metrics import majority_at_k, pass_at_k
+from mimo_jax.files import read_jsonl, write_atomic
 from mimo_jax.models import ModelConfig, Transformer, abstract_state
 from mimo_jax.rewards.math import extract_answer, normalize_number
 from mimo_jax.rollout import Sampler, SamplingParams
@@ -438,7 +440,10 @@ def _restore_policy(ckpt: Checkpointer, run_dir: str, step: int | None, mesh) ->
     phase = meta.get("phase")
     if phase not in ("sft", "rl"):
       raise CheckpointCorrupted(f"checkpoint metadata names no phase (got {phase!r})")
-    model_cfg = ModelConfig.from_dict(meta["model_config"])
+    try:
+      model_cfg = ModelConfig.from_dict(meta.get("model_config"))
+    except (TypeError, ValueError) as e:  # ConfigError included: a value out of range
+      raise CheckpointCorrupted(f"checkpoint {s}: its model_config is unusable ({e})") from None
     _, abs_params = abstract_state(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)), mesh)
     tree, meta = ckpt.restore_part(s, {"params": abs_params})
     return tree["params"], {**meta, "_model": model_cfg}
@@ -505,22 +510,9 @@ def evaluate_checkpoint(
       code and the sandbox has no kernel isolation (without ``allow_weak_sandbox``).
   """
   run_dir, step = resolve_checkpoint(path)
-  cfg = load_run_config(run_dir)
-  cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, allow_weak_sandbox=bool(allow_weak_sandbox)))
-  if eval_prompts is not None:
-    if eval_prompts < 1:
-      raise ConfigError(f"--eval_prompts={eval_prompts}: must be >= 1")
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_prompts=eval_prompts))
-  num_samples = cfg.run.eval_samples if num_samples is None else num_samples
-  if num_samples < 1:
-    raise ConfigError(f"--eval_samples={num_samples}: must be >= 1")
-  ks = default_ks(num_samples) if ks is None else tuple(sorted(set(ks)))
-  bad = [k for k in ks if not 1 <= k <= num_samples]
-  if bad or not ks:
-    raise ConfigError(f"--ks={','.join(map(str, ks))}: every k must be in 1..eval_samples={num_samples}")
-  temperature = cfg.run.eval_temperature if temperature is None else temperature
-  if temperature <= 0:
-    raise ConfigError(f"--eval_temperature={temperature}: must be > 0 (the greedy completion is always evaluated)")
+  cfg, num_samples, ks, temperature = _eval_settings(
+    load_run_config(run_dir), eval_prompts, num_samples, ks, temperature, allow_weak_sandbox
+  )
   if max_batch_rows is not None and max_batch_rows < 1:
     raise ConfigError(f"--max_batch_rows={max_batch_rows}: must be >= 1")
   # A code task without kernel isolation is refused first, outside the rebuild below: the refusal is
@@ -584,8 +576,54 @@ def evaluate_checkpoint(
   }
 
 
+def _eval_settings(
+  cfg: Config,
+  eval_prompts: int | None,
+  num_samples: int | None,
+  ks: Sequence[int] | None,
+  temperature: float | None,
+  allow_weak_sandbox: bool = False,
+) -> tuple[Config, int, tuple[int, ...], float]:
+  """The run's config with the evaluation's prompt count and sandbox decision, and the samples, ks and
+  temperature in effect (each the flag's, else the run's); ConfigError naming a bad flag."""
+  cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, allow_weak_sandbox=bool(allow_weak_sandbox)))
+  if eval_prompts is not None:
+    if eval_prompts < 1:
+      raise ConfigError(f"--eval_prompts={eval_prompts}: must be >= 1")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_prompts=eval_prompts))
+  num_samples = cfg.run.eval_samples if num_samples is None else num_samples
+  if num_samples < 1:
+    raise ConfigError(f"--eval_samples={num_samples}: must be >= 1")
+  ks = default_ks(num_samples) if ks is None else tuple(sorted(set(ks)))
+  bad = [k for k in ks if not 1 <= k <= num_samples]
+  if bad or not ks:
+    raise ConfigError(f"--ks={','.join(map(str, ks))}: every k must be in 1..eval_samples={num_samples}")
+  temperature = cfg.run.eval_temperature if temperature is None else temperature
+  if not math.isfinite(temperature) or temperature <= 0:
+    raise ConfigError(f"--eval_temperature={temperature}: must be > 0 (the greedy completion is always evaluated)")
+  return cfg, num_samples, tuple(ks), float(temperature)
+
+
 EVAL_CURVE = "eval_curve.jsonl"
 _SETTINGS = ("eval_prompts", "eval_samples", "eval_temperature", "ks", "eval_seed")
+
+
+def _curve_settings(run_dir: str, seed: int, kwargs: Mapping[str, Any]) -> tuple | None:
+  """The ``_SETTINGS`` values :func:`evaluate_checkpoint` will give every row of ``run_dir`` with these
+  settings (None where they cannot be worked out: the first evaluation then says why)."""
+  try:
+    cfg, num_samples, ks, temperature = _eval_settings(
+      load_run_config(run_dir),
+      kwargs.get("eval_prompts"),
+      kwargs.get("num_samples"),
+      kwargs.get("ks"),
+      kwargs.get("temperature"),
+    )
+    task, _ = build_task(cfg.data, seed=cfg.run.seed, hf_checkpoint=cfg.model.hf_checkpoint)
+    prompts = len(task.heldout()[: cfg.data.eval_prompts])
+  except (OSError, ValueError):  # ConfigError included
+    return None
+  return (prompts, num_samples, temperature, list(ks), seed)
 
 
 def evaluate_all(run_dir: str, *, seed: int = 0, on_result: Callable[[dict], None] | None = None, **kwargs):
@@ -610,20 +648,18 @@ def evaluate_all(run_dir: str, *, seed: int = 0, on_result: Callable[[dict], Non
     raise FileNotFoundError(f"{run_dir}: --all takes the run directory, not one checkpoint")
   path = os.path.join(run_dir, EVAL_CURVE)
   done: dict[int, dict] = {}
-  if os.path.exists(path):
-    with open(path) as f:
-      for line in f:
-        try:
-          row = json.loads(line)
-        except json.JSONDecodeError:
-          continue
-        done[int(row["checkpoint_step"])] = row
+  for row in read_jsonl(path):  # rows of another shape (edited by hand) are not results
+    step = row.get("checkpoint_step") if isinstance(row, dict) else None
+    if isinstance(step, int) and not isinstance(step, bool):
+      done[step] = row
   # The kept checkpoints, and the best one (--keep_best) where it is no longer among them.
   folders = {step: "best" for step in _step_dirs(os.path.join(run_dir, "best"))}
   folders.update({step: "checkpoints" for step in _step_dirs(os.path.join(run_dir, "checkpoints"))})
   steps = sorted(folders)
   rows: list[dict] = []
-  settings: tuple | None = None
+  # The settings every row of this call will have (each is the run's, or the flag's): rows already
+  # written under them are kept, from the first checkpoint on.
+  settings: tuple | None = _curve_settings(run_dir, seed, kwargs)
   for step in steps:
     previous = done.get(step)
     if previous is not None and settings is not None and tuple(previous.get(k) for k in _SETTINGS) == settings:
@@ -636,10 +672,7 @@ def evaluate_all(run_dir: str, *, seed: int = 0, on_result: Callable[[dict], Non
     # Rows of the earlier checkpoints evaluated under other settings are dropped by the rewrite.
     rows = [r for r in rows if tuple(r.get(k) for k in _SETTINGS) == settings]
     kept = rows + [r for s2, r in sorted(done.items()) if s2 > step and tuple(r.get(k) for k in _SETTINGS) == settings]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-      f.writelines(json.dumps(r) + "\n" for r in kept)
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     if on_result is not None:
       on_result(row)
   return rows

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from mimo_jax.config_base import ConfigError, check, check_choice
@@ -138,7 +138,16 @@ class ModelConfig:
 
   @classmethod
   def from_dict(cls, fields: dict[str, Any]) -> ModelConfig:
-    """The inverse of ``dataclasses.asdict`` (as stored in checkpoint metadata, via JSON)."""
+    """The inverse of ``dataclasses.asdict`` (as stored in checkpoint metadata, via JSON).
+
+    Raises:
+      ValueError: not an object, or fields this version does not know (a newer trainer's checkpoint).
+    """
+    if not isinstance(fields, Mapping):
+      raise ValueError(f"model_config must be an object, got {type(fields).__name__}")
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+      raise ValueError(f"model_config has fields this version does not know: {', '.join(map(str, unknown))}")
     fields = dict(fields)
     if fields.get("rope_scaling"):
       fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])

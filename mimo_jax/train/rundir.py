@@ -59,6 +59,7 @@ RUN_FILES = (
   "wandb_id",
   "summary.json",
   "tensorboard",
+  "eval_curve.jsonl",  # `python -m mimo_jax.eval --all`'s rows of the old run's checkpoints
   "config.json",
 )
 
