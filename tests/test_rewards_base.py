@@ -154,6 +154,31 @@ def test_workers_are_persistent(pool: RewardPool) -> None:
   assert float(os.getpid()) not in pids
 
 
+def test_a_worker_killed_while_its_sandbox_runs_leaves_no_sandbox_directory(pool: RewardPool) -> None:
+  """A reward past its time limit is killed with its worker, whose own clean-up never runs: the pool
+  removes the code sandbox's directory it left (the code, and whatever the code wrote there)."""
+  import tempfile
+  import threading
+
+  def sandbox_dirs() -> set[str]:
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("mimo-sandbox-")}
+
+  before = sandbox_dirs()
+  outcomes: list[Outcome] = []
+  call = threading.Thread(
+    target=lambda: outcomes.extend(pool.map(reward_fns.scripted, [_sample(action="sandbox_hang")], timeout_s=20.0))
+  )
+  call.start()
+  deadline = time.monotonic() + 20.0
+  while not sandbox_dirs() - before and time.monotonic() < deadline:
+    time.sleep(0.05)
+  seen = sandbox_dirs() - before
+  call.join()
+  assert len(seen) == 1  # the sandbox was running when its worker was killed
+  assert outcomes == [Outcome(0.0, True, "timeout after 20s")]
+  assert sandbox_dirs() == before
+
+
 def test_hanging_function_times_out_and_pool_recovers(pool: RewardPool) -> None:
   pids_before = set(pool.worker_pids())
   start = time.monotonic()

@@ -363,6 +363,10 @@ class _Worker:
       self.process.kill()
     self.process.join(5.0)
     self.conn.close()
+    if self.process.exitcode != 0:  # killed mid-call: a sandbox it was running left its directory behind
+      from mimo_jax.rewards.sandbox import remove_leftovers
+
+      remove_leftovers(self.process.pid)
 
 
 def _stop_workers(workers: list[_Worker | None]) -> None:

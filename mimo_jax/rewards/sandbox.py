@@ -1082,6 +1082,24 @@ def _kernel_counts_nproc_per_namespace() -> bool:
   return (major, minor) >= (5, 14)
 
 
+def remove_leftovers(pid: int) -> int:
+  """Deletes the sandbox directories of process ``pid``, which was killed while it ran code (its own
+  clean-up never ran); returns how many there were.  Call it only once ``pid`` is dead and reaped."""
+  prefix = f"{_DIR_PREFIX}{int(pid)}-"
+  removed = 0
+  for parent in dict.fromkeys((tempfile.gettempdir(), "/tmp")):
+    try:
+      names = [n for n in os.listdir(parent) if n.startswith(prefix)]
+    except OSError:
+      continue
+    for name in names:
+      path = os.path.join(parent, name)
+      if os.path.isdir(path) and not os.path.islink(path):
+        _rmtree(path)
+        removed += 1
+  return removed
+
+
 def _rmtree(path: str) -> None:
   """Deletes a sandbox directory, even one whose subdirectories the code made unreadable."""
   shutil.rmtree(path, ignore_errors=True)
@@ -1215,7 +1233,9 @@ def _execute(
   deadline = start + timeout_s
   identity = _sandbox_identity()
   uid, gid = identity.uid, identity.gid
-  root = tempfile.mkdtemp(prefix=_DIR_PREFIX, dir=identity.tmpdir)
+  # Named by this process: if it is killed mid-run (a reward worker past its time limit), the pool that
+  # killed it removes what it left (remove_leftovers).
+  root = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-", dir=identity.tmpdir)
   ctl_r = ctl_w = -1
   proc: subprocess.Popen[bytes] | None = None
   streams: _Streams | None = None

@@ -38,7 +38,8 @@ def scripted(sample: RewardSample) -> object:
   ``ValueError("scripted failure")``; ``"hang"`` sleeps for an hour; ``"spin"`` busy-loops
   for an hour; ``"exit"`` calls ``os._exit(3)`` (after ``row["seconds"]``, default 0); ``"sys_exit"`` raises ``SystemExit(2)``;
   ``"segv"`` kills its own process with SIGSEGV; ``"sleep"`` sleeps ``row["seconds"]``
-  then returns ``row["value"]``.
+  then returns ``row["value"]``; ``"sandbox_hang"`` runs code that sleeps for an hour in the code
+  sandbox (:func:`mimo_jax.rewards.sandbox.run_python`, an hour's limit).
   """
   action = sample.row.get("action", "value")
   if action == "value":
@@ -63,6 +64,10 @@ def scripted(sample: RewardSample) -> object:
   elif action == "sleep":
     time.sleep(float(sample.row["seconds"]))
     return sample.row.get("value", 1.0)
+  elif action == "sandbox_hang":
+    from mimo_jax.rewards.sandbox import run_python
+
+    run_python("import time\ntime.sleep(3600)", timeout_s=3600)
   raise ValueError(f"unknown action {action!r}")
 
 
