@@ -5,9 +5,11 @@
 ``R0`` is the performance before RL (the warm start), ``A`` the asymptote (the ceiling more compute
 approaches), ``B`` the efficiency exponent (how sharply the curve turns) and ``C_mid`` the compute at
 which half of the gain ``A - R0`` is reached.  ``A`` enters linearly: for fixed ``(B, C_mid)`` the
-best ``A`` is a closed-form least-squares solution, so the fit searches only the two others, on a
-grid in ``(log B, log C_mid)`` that is then zoomed around the best cell; no optimiser dependency,
-deterministic, and a fit never lands in a local minimum the grid could see past.
+best ``A`` is a closed-form least-squares solution, so the fit searches only the two others: a grid
+in ``(log B, log C_mid)``, zoomed in on around each of its best few cells, then a pattern search from
+the best of those (a steep curve's valley is long and narrow, and one zoomed cell could sit in the
+wrong part of it).  No optimiser dependency, deterministic; on random steep curves it reaches a
+multi-start least-squares solver's residual (the tests compare the two).
 
 :func:`bootstrap` resamples the seeds of each point with replacement and refits, giving percentile
 intervals; :func:`diminishing_returns` is the compute at which the fitted curve has made a given
@@ -57,6 +59,8 @@ def fit_sigmoid(
   b_range: tuple[float, float] = (0.1, 20.0),
   grid: int = 64,
   zooms: int = 4,
+  starts_kept: int = 6,
+  polish_rounds: int = 2000,
 ) -> SigmoidFit:
   """Least-squares fit of ``A``, ``B`` and ``C_mid`` for a known ``R0``.
 
@@ -67,7 +71,9 @@ def fit_sigmoid(
     a_max: the largest meaningful asymptote (1.0 for an accuracy; None: unbounded).
     b_range: the exponents searched.
     grid: grid points per dimension.
-    zooms: refinements of the grid around the best cell.
+    zooms: refinements of the grid around each start.
+    starts_kept: the coarse grid's best cells (at least 3 cells apart) zoomed in on, each on its own.
+    polish_rounds: most rounds of the closing pattern search.
   """
   c = np.asarray(compute, np.float64)
   y = np.asarray(performance, np.float64) - r0
@@ -77,27 +83,69 @@ def fit_sigmoid(
     raise ValueError("fit_sigmoid: compute must be positive")
   gain_max = None if a_max is None else a_max - r0
   lc = np.log(c)
-  lo_b, hi_b = np.log(b_range[0]), np.log(b_range[1])
-  lo_m, hi_m = lc.min() - 3.0, lc.max() + 3.0  # a midpoint up to e^3 (20x) outside the data
-  for _ in range(zooms + 1):
-    lb = np.linspace(lo_b, hi_b, grid)
-    lm = np.linspace(lo_m, hi_m, grid)
+  box_b = (float(np.log(b_range[0])), float(np.log(b_range[1])))
+  box_m = (float(lc.min() - 3.0), float(lc.max() + 3.0))  # a midpoint up to e^3 (20x) outside the data
+
+  def sse_of(lb: np.ndarray, lm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     B, M = np.meshgrid(np.exp(lb), lm, indexing="ij")
-    g = 1.0 / (1.0 + np.exp(B[..., None] * (M[..., None] - lc)))  # [grid, grid, n]
+    g = 1.0 / (1.0 + np.exp(B[..., None] * (M[..., None] - lc)))  # [len(lb), len(lm), n]
     gain = _best_a(g, y, gain_max)
-    sse = np.sum((y - gain[..., None] * g) ** 2, axis=-1)
-    i, j = np.unravel_index(np.argmin(sse), sse.shape)
-    step_b, step_m = (hi_b - lo_b) / (grid - 1), (hi_m - lo_m) / (grid - 1)
-    # The exponent's window stays inside b_range (a zoom at the edge would otherwise walk past it).
-    lo_b, hi_b = max(lb[i] - 2 * step_b, np.log(b_range[0])), min(lb[i] + 2 * step_b, np.log(b_range[1]))
-    lo_m, hi_m = lm[j] - 2 * step_m, lm[j] + 2 * step_m
-  b, m = float(np.exp(lb[i])), float(lm[j])
+    return np.sum((y - gain[..., None] * g) ** 2, axis=-1), gain
+
+  # The whole box, then each of the best few basins of it zoomed in on: on a near-step curve the
+  # valley is narrow in C_mid and long in B, and the coarse grid's best cell can lie in the wrong one.
+  lb0, lm0 = np.linspace(*box_b, grid), np.linspace(*box_m, grid)
+  sse0, _ = sse_of(lb0, lm0)
+  step_b, step_m = (box_b[1] - box_b[0]) / (grid - 1), (box_m[1] - box_m[0]) / (grid - 1)
+  starts: list[tuple[int, int]] = []
+  for flat in np.argsort(sse0, axis=None):
+    i, j = np.unravel_index(flat, sse0.shape)
+    if all(abs(i - i2) > 2 or abs(j - j2) > 2 for i2, j2 in starts):
+      starts.append((int(i), int(j)))
+      if len(starts) == starts_kept:
+        break
+  best = None
+  for i0, j0 in starts:
+    lo_b, hi_b = max(lb0[i0] - 2 * step_b, box_b[0]), min(lb0[i0] + 2 * step_b, box_b[1])
+    lo_m, hi_m = lm0[j0] - 2 * step_m, lm0[j0] + 2 * step_m
+    for _ in range(zooms):
+      lb, lm = np.linspace(lo_b, hi_b, grid), np.linspace(lo_m, hi_m, grid)
+      sse, gain = sse_of(lb, lm)
+      i, j = np.unravel_index(np.argmin(sse), sse.shape)
+      sb, sm = (hi_b - lo_b) / (grid - 1), (hi_m - lo_m) / (grid - 1)
+      # The exponent's window stays inside b_range (a zoom at the edge would otherwise walk past it).
+      lo_b, hi_b = max(lb[i] - 2 * sb, box_b[0]), min(lb[i] + 2 * sb, box_b[1])
+      lo_m, hi_m = lm[j] - 2 * sm, lm[j] + 2 * sm
+    if best is None or sse[i, j] < best[0]:
+      best = (float(sse[i, j]), float(lb[i]), float(lm[j]), float(gain[i, j]))
+  # A pattern search from the best of them (axis and diagonal moves, halving the step until it is
+  # negligible): a long, tilted valley can hold the optimum just outside the last zoom window.
+  sse_best, lb_best, m, gain_best = best
+  step0 = np.array([step_b, step_m]) / 4
+  step = step0
+  moves = np.array([(1, 0), (-1, 0), (0, 1), (0, -1), (1, 1), (-1, -1), (1, -1), (-1, 1)], np.float64)
+  for _ in range(polish_rounds):
+    if step.max() < 1e-6:
+      break
+    cand = np.array([lb_best, m]) + moves * step
+    cand[:, 0] = np.clip(cand[:, 0], *box_b)
+    cand[:, 1] = np.clip(cand[:, 1], *box_m)
+    g = 1.0 / (1.0 + np.exp(np.exp(cand[:, :1]) * (cand[:, 1:] - lc)))  # [8, n]
+    gain = _best_a(g, y, gain_max)
+    sse = np.sum((y - gain[:, None] * g) ** 2, axis=-1)
+    k = int(np.argmin(sse))
+    if sse[k] < sse_best:  # a step that gains is lengthened (up to the first): a long valley is crossed fast
+      sse_best, lb_best, m, gain_best = float(sse[k]), float(cand[k, 0]), float(cand[k, 1]), float(gain[k])
+      step = np.minimum(step * 2, step0)
+    else:
+      step = step / 2
+  b = float(np.exp(lb_best))
   return SigmoidFit(
     r0=float(r0),
-    a=float(r0 + gain[i, j]),
+    a=float(r0 + gain_best),
     b=b,
     c_mid=float(np.exp(m)),
-    rmse=float(np.sqrt(sse[i, j] / c.shape[0])),
+    rmse=float(np.sqrt(sse_best / c.shape[0])),
   )
 
 
