@@ -241,7 +241,12 @@ class AlgoConfig:
   clip_c: float = field(3.0, "Dual-clip constant for negative advantages (> 1).", gt=1)
   kl_coef: float = field(0.001, "Initial KL coefficient to the reference policy (0: no reference).", ge=0)
   kl_estimator: str = field("k3", "KL estimator.", choices=tuple(KL_ESTIMATORS))
-  entropy_coef: float = field(0.0, "Entropy bonus coefficient.", ge=0)
+  entropy_coef: float = field(
+    0.0,
+    "Entropy bonus coefficient, on the per-token mean entropy whatever --loss_agg (verl aggregates the bonus "
+    "like the loss: under a sequence-sum aggregation its coefficients are about a completion's length larger).",
+    ge=0,
+  )
   ppo_epochs: int = field(1, "Passes over each rollout batch.", ge=1)
   num_minibatches: int = field(1, "Minibatches per pass.", ge=1)
   grad_accum: int = field(1, "Micro-batches per minibatch (gradient accumulation).", ge=1)

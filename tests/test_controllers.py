@@ -231,6 +231,27 @@ def test_update_controllers_adapts_value_passes_to_a_stalled_loss():
   assert float(ctl.kl_coef) == pytest.approx(0.1) and float(ctl.entropy_coef) == 0.0
 
 
+def test_value_window_0_keeps_the_value_passes_fixed_through_the_trainer_settings():
+  """``--value_window=0`` means a fixed number of critic passes: a critic loss halving every step
+  (a "fast drop") lowered them 3 -> 1 (the floor stayed at --value_min_updates), a rising one may not
+  raise them either."""
+  from mimo_jax.main import parse_config
+  from mimo_jax.train.learner import controller_settings, init_controller_state
+
+  flags = ["prog", "--advantage=gae", "--use_value_model", "--value_window=0", "--value_updates=3"]
+  cfg = parse_config(flags)
+  settings = controller_settings(cfg)
+  nan = jnp.float32(jnp.nan)
+  for losses in ([2.0**-k for k in range(10)], [2.0**k for k in range(10)]):
+    ctl = init_controller_state(cfg)
+    passes = []
+    for step, loss in enumerate(losses, start=1):
+      signals = C.StepSignals(kl=nan, entropy=nan, reward_mean=jnp.float32(0.5), value_loss=jnp.float32(loss))
+      ctl = C.update_controllers(ctl, signals, step, settings)
+      passes.append(int(ctl.value_updates))
+    assert passes == [3] * 10
+
+
 def test_dynamic_coefs_route_kl_and_scale_by_phase():
   settings = C.ControllerSettings(total_steps=100, phased=True, grad_clip=2.0, grad_clip_lr_linked=True)
   ctl = C.init_controllers(kl_coef=0.1, entropy_coef=0.01).replace(phase=jnp.int32(2), phase_start=jnp.int32(80))

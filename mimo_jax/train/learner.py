@@ -295,7 +295,8 @@ def controller_settings(cfg: Config) -> ControllerSettings:
     grad_clip=cfg.optim.grad_clip,
     grad_clip_lr_linked=cfg.optim.grad_clip_mode == "lr_linked",
     value_window=max(a.value_window, 2),
-    value_min_updates=a.value_min_updates,
+    # --value_window=0: a fixed number of passes, neither raised nor lowered (the floor too).
+    value_min_updates=a.value_min_updates if a.value_window else a.value_updates,
     value_max_updates=a.value_max_updates if a.value_window else a.value_updates,
     value_fast_drop=a.value_fast_drop,
   )
