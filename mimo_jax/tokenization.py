@@ -87,6 +87,16 @@ class PaddedBatch:
       )
 
 
+def keep_last_tokens(ids: list[int], limit: int, bos_id: int | None) -> list[int]:
+  """``ids`` cut to their last ``limit`` tokens, a leading BOS kept in front of them: a prompt cut from the
+  left still starts like every prompt the model saw (it lost its BOS with its head)."""
+  if len(ids) <= limit:
+    return ids
+  if bos_id is not None and limit > 1 and ids[0] == bos_id:
+    return [ids[0], *ids[len(ids) - limit + 1 :]]
+  return ids[-limit:]
+
+
 def bucket_length(n: int, buckets: Sequence[int]) -> int:
   """Returns the smallest bucket length that holds ``n`` tokens.
 

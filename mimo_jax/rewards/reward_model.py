@@ -48,6 +48,7 @@ from mimo_jax.models.create import abstract_state, create_sharded
 from mimo_jax.models.transformer import Transformer, ValueModel, positions_from_mask
 from mimo_jax.optim import OPTIMIZER_LAYOUT, TrainState, apply_gradients, make_optimizer
 from mimo_jax.rollout.sampler import bucket_for, left_pad
+from mimo_jax.tokenization import keep_last_tokens
 
 if TYPE_CHECKING:
   from mimo_jax.rewards.base import RewardSample
@@ -233,12 +234,13 @@ def make_rm_train_step(mesh: Mesh | None, *, center_coef: float = 0.0):
 
 
 def _encode_prompt(tokenizer: Tokenizer, text: str, limit: int) -> tuple[list[int], bool]:
-  """Prompt ids (BOS when the tokenizer has one), cut to the last ``limit`` tokens; and whether it was cut.
+  """Prompt ids (BOS when the tokenizer has one), cut to BOS and the last tokens (``limit`` in all); and
+  whether it was cut.
 
   Same convention as :func:`mimo_jax.train.loop.encode_prompts`.
   """
   ids = tokenizer.encode(text, add_bos=tokenizer.bos_id is not None)
-  return ids[-limit:], len(ids) > limit
+  return keep_last_tokens(ids, limit, tokenizer.bos_id), len(ids) > limit
 
 
 def _encode_completion(tokenizer: Tokenizer, text: str, limit: int, *, add_eos: bool = True) -> tuple[list[int], bool]:

@@ -11,7 +11,7 @@ from mimo_jax import multihost
 from mimo_jax.config import RolloutConfig
 from mimo_jax.rollout.sampler import RolloutOutput, bucket_for, left_pad
 from mimo_jax.rollout.sampling import SamplingParams
-from mimo_jax.tokenization import Tokenizer
+from mimo_jax.tokenization import Tokenizer, keep_last_tokens
 
 
 def sampling_params(cfg: RolloutConfig, tokenizer: Tokenizer) -> SamplingParams:
@@ -30,8 +30,8 @@ def encode_prompts(
 ) -> tuple[np.ndarray, np.ndarray, int]:
   """Tokenizes (with BOS), left-pads to a bucket, and pads the row count with 1-token fillers.
 
-  A prompt longer than the largest bucket keeps its last tokens (where the question
-  ends and the answer cue sits), so shapes stay static.
+  A prompt longer than the largest bucket keeps its BOS and its last tokens (where the
+  question ends and the answer cue sits), so shapes stay static.
 
   Returns:
     ``(tokens [rows, P], mask [rows, P], number of prompts that were cut)``.
@@ -39,7 +39,7 @@ def encode_prompts(
   limit = max(buckets)
   full = [tokenizer.encode(p, add_bos=tokenizer.bos_id is not None) for p in prompts]
   truncated = sum(len(i) > limit for i in full)
-  ids = [i[-limit:] for i in full]
+  ids = [keep_last_tokens(i, limit, tokenizer.bos_id) for i in full]
   rows = num_rows or len(ids)
   ids += [[tokenizer.pad_id]] * (rows - len(ids))
   tokens, mask = left_pad(ids, bucket_for(max(len(i) for i in ids), buckets), tokenizer.pad_id)
