@@ -671,8 +671,9 @@ class HFTokenizer(Tokenizer):
     """Loads a Hugging Face model directory's tokenizer.
 
     Reads ``tokenizer.json``; special tokens come from ``tokenizer_config.json``
-    (``bos_token`` / ``eos_token`` / ``pad_token``) when present, else from
-    ``config.json`` (``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``).
+    (``bos_token`` / ``eos_token`` / ``pad_token``) when it sets them (to a token or to null), else
+    from ``config.json`` (``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``); with
+    ``add_bos_token: false`` there (as Qwen's) prompts get no BOS, as transformers gives them none.
 
     Args:
       directory: the directory holding ``tokenizer.json``.
@@ -695,18 +696,24 @@ class HFTokenizer(Tokenizer):
     tok = tk.Tokenizer.from_file(json_path)
 
     ids: dict[str, int | None] = {"bos": None, "eos": None, "pad": None}
+    decided: set[str] = set()  # set in tokenizer_config.json, a null included: config.json does not override it
     tok_config_path = os.path.join(config_dir, "tokenizer_config.json")
     if os.path.isfile(tok_config_path):
       tok_config = _read_json(tok_config_path)
       for kind in ids:
+        if f"{kind}_token" in tok_config:
+          decided.add(kind)
         content = _token_content(tok_config.get(f"{kind}_token"))
         if content is not None:
           ids[kind] = cls._lookup(tok, content, f"{kind}_token", tok_config_path)
+      if tok_config.get("add_bos_token") is False:  # (Qwen) transformers adds no BOS: neither do prompts here
+        ids["bos"] = None
+        decided.add("bos")
     model_config_path = os.path.join(config_dir, "config.json")
     if os.path.isfile(model_config_path):
       model_config = _read_json(model_config_path)
       for kind in ids:
-        if ids[kind] is None:
+        if ids[kind] is None and kind not in decided:
           ids[kind] = _first_id(model_config.get(f"{kind}_token_id"))
 
     eos = ids["eos"]

@@ -397,6 +397,12 @@ def test_hf_config_json_fallback_and_pad_to_eos(tmp_path: Path) -> None:
   (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "!", "pad_token": None}))
   tok = HFTokenizer.from_pretrained_dir(d)
   assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 8, 8)
+  # A BOS set to null there (Qwen: "bos_token": null, "add_bos_token": false, while config.json names
+  # <|endoftext|> as bos_token_id) is no BOS: transformers puts none before a prompt, so neither do we.
+  for config in ({"eos_token": "!", "bos_token": None}, {"eos_token": "!", "add_bos_token": False}):
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = HFTokenizer.from_pretrained_dir(d)
+    assert tok.bos_id is None and tok.encode("hello", add_bos=tok.bos_id is not None) == [4], config
 
 
 def test_hf_missing_eos_and_unknown_token(tmp_path: Path) -> None:
