@@ -129,6 +129,16 @@ def test_humaneval_gz_round_trip(tmp_path) -> None:
     assert got == {**{k: row[k] for k in tfds_sources.HUMANEVAL_FIELDS}, "source_line": lineno}
   # Code is stored verbatim: indentation and trailing newlines survive.
   assert source[0]["prompt"] == expected[0][1]["prompt"] and source[0]["prompt"].endswith("\n")
+  # Gzip is told by its bytes, as the direct reader tells it: the same file named .jsonl loads the same
+  # rows (it was read as text: "no usable rows"), and a plain file named .jsonl.gz loads (BadGzipFile).
+  renamed = os.fspath(tmp_path / "gzipped.jsonl")
+  shutil.copy(path, renamed)
+  again = load_prompt_source("humaneval", renamed, tmp_path / "cache2", split="test")  # (not the cached build)
+  assert [dict(r, source_line=0) for r in again] == [dict(r, source_line=0) for r in source]
+  plain = os.fspath(tmp_path / "plain.jsonl.gz")
+  with gzip.open(path, "rb") as src, open(plain, "wb") as dst:
+    shutil.copyfileobj(src, dst)
+  assert len(load_prompt_source("humaneval", plain, tmp_path / "cache3", split="test")) == 60
 
 
 def test_humaneval_plain_jsonl_with_malformed_row(tmp_path) -> None:
