@@ -366,3 +366,16 @@ def test_a_reward_model_of_another_vocabulary_is_refused(tmp_path, capsys):
   assert "its vocabulary (16) is smaller than this run's tokenizer" in capsys.readouterr().err
   with pytest.raises(ConfigError):
     parse_config(["prog", "--mode=reward_model", "--rm_steps=0"])
+
+
+def test_a_task_with_too_few_held_out_problems_passes_its_shortfall_to_the_others():
+  """300 held-out prompts at weights 0.5/0.5: the shipped GSM8K sample holds 100, so arith takes the
+  other 200 (the held-out set was 250, silently).  Only when every task is spent is it short."""
+  task, _ = build_task(DataConfig(task="arith:0.5,gsm8k:0.5", eval_prompts=300), seed=0)
+  counts = collections.Counter(p.task for p in task.heldout())
+  assert counts == {"arith": 200, "gsm8k": 100}
+  from mimo_jax.tasks.mixture import _fill
+
+  assert _fill(10, [0.5, 0.25, 0.25], [2, 100, 100]) == [2, 5, 3]  # (ties of the remainders by order)
+  assert _fill(10, [0.5, 0.5], [3, 4]) == [3, 4]  # all spent: short
+  assert _fill(9, [1.0, 1.0, 1.0], [100, 0, 100]) == [5, 0, 4]

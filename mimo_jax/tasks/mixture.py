@@ -15,7 +15,8 @@ Proportions:
   batch holds each task and level in proportion (within one prompt, carried over between
   steps) rather than a multinomial draw's;
 * held-out prompts: the evaluation budget is split by weight (largest remainders, at least
-  one prompt per task), each task contributing the first prompts of its own held-out list;
+  one prompt per task), each task contributing the first prompts of its own held-out list (a
+  task with too few passes its shortfall to the others, by weight);
 * supervised warm-start demonstrations: a multinomial draw of the counts by weight.
 """
 
@@ -50,6 +51,20 @@ def apportion(total: int, weights: Sequence[float], *, at_least_one: bool = Fals
   for i in np.argsort(-remainder, kind="stable")[: total - int(counts.sum())]:
     counts[i] += 1
   return counts.tolist()
+
+
+def _fill(total: int, weights: Sequence[float], available: Sequence[int]) -> list[int]:
+  """:func:`apportion` of ``total`` (at least one each), each count capped at what its task has; a task's
+  shortfall goes to the others that have more, by weight (the total is short only when all are spent)."""
+  counts = [min(c, a) for c, a in zip(apportion(total, weights, at_least_one=True), available, strict=True)]
+  while (left := total - sum(counts)) > 0:
+    spare = [i for i, (c, a) in enumerate(zip(counts, available, strict=True)) if c < a]
+    if not spare:
+      break
+    extra = apportion(left, [weights[i] for i in spare])
+    for i, e in zip(spare, extra, strict=True):
+      counts[i] = min(counts[i] + e, available[i])
+  return counts
 
 
 class MixtureTask:
@@ -87,10 +102,11 @@ class MixtureTask:
     levels = dict(levels or {})
     self.levels: dict[str, tuple[int, ...]] = {n: tuple(int(x) for x in levels.get(n, (0,))) for n in names}
     self.runs_untrusted_code = any(getattr(t, "runs_untrusted_code", False) for t in self.tasks.values())
-    counts = apportion(heldout_size, list(self.weights.values()), at_least_one=True)
+    pools = [task.heldout() for task in self.tasks.values()]
+    counts = _fill(heldout_size, list(self.weights.values()), [len(p) for p in pools])
     heldout: list[Any] = []
-    for task, count in zip(self.tasks.values(), counts, strict=True):
-      heldout.extend(task.heldout()[:count])
+    for pool, count in zip(pools, counts, strict=True):
+      heldout.extend(pool[:count])
     self._heldout = heldout
     self._heldout_uids = frozenset(p.uid for p in heldout)
 
