@@ -621,7 +621,7 @@ def _curve_settings(run_dir: str, seed: int, kwargs: Mapping[str, Any]) -> tuple
     )
     task, _ = build_task(cfg.data, seed=cfg.run.seed, hf_checkpoint=cfg.model.hf_checkpoint)
     prompts = len(task.heldout()[: cfg.data.eval_prompts])
-  except (OSError, ValueError):  # ConfigError included
+  except Exception:  # noqa: BLE001 - whatever it is, the first evaluation raises it with its own message
     return None
   return (prompts, num_samples, temperature, list(ks), seed)
 
