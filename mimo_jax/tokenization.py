@@ -171,9 +171,15 @@ class Tokenizer(abc.ABC):
   # ---- public API ----------------------------------------------------------------
 
   @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """The ids that end a generation: :attr:`eos_id` first, then any other end-of-sequence ids the model
+    declares (a chat model's end-of-turn token)."""
+    return (self.eos_id,)
+
+  @property
   def special_ids(self) -> frozenset[int]:
-    """The ids :meth:`decode` drops when ``skip_special`` is set: pad, BOS and EOS."""
-    ids = {self.eos_id, self.pad_id}
+    """The ids :meth:`decode` drops when ``skip_special`` is set: pad, BOS and the stop ids."""
+    ids = {*self.stop_ids, self.pad_id}
     if self.bos_id is not None:
       ids.add(self.bos_id)
     return frozenset(ids)
@@ -580,12 +586,16 @@ def _token_content(value: Any) -> str | None:
 
 def _first_id(value: Any) -> int | None:
   """Reads a ``config.json`` id field, which may be null, an int, or a list of ints."""
+  ids = _all_ids(value)
+  # Multi-EOS configs (e.g. end-of-text and end-of-turn) list the primary one first.
+  return ids[0] if ids else None
+
+
+def _all_ids(value: Any) -> list[int]:
+  """Every id of a ``config.json`` / ``generation_config.json`` id field (null, an int, or a list)."""
   if value is None:
-    return None
-  if isinstance(value, list):
-    # Multi-EOS configs (e.g. end-of-text and end-of-turn) list the primary one first.
-    return int(value[0]) if value else None
-  return int(value)
+    return []
+  return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -606,6 +616,7 @@ class HFTokenizer(Tokenizer):
     eos_id: int,
     bos_id: int | None = None,
     pad_id: int | None = None,
+    more_stop_ids: Sequence[int] = (),
   ) -> None:
     """Wraps an existing ``tokenizers.Tokenizer``.
 
@@ -614,6 +625,7 @@ class HFTokenizer(Tokenizer):
       eos_id: the EOS id.
       bos_id: the BOS id, or None if there is none.
       pad_id: the pad id; None falls back to ``eos_id``.
+      more_stop_ids: other ids that end a generation (a chat model's end-of-turn), after ``eos_id``.
 
     Raises:
       ValueError: if a given id is outside the vocabulary.
@@ -625,10 +637,12 @@ class HFTokenizer(Tokenizer):
     tokenizer.encode_special_tokens = True
     self._tok = tokenizer
     self._vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    for name, value in (("eos_id", eos_id), ("bos_id", bos_id), ("pad_id", pad_id)):
+    named = [("eos_id", eos_id), ("bos_id", bos_id), ("pad_id", pad_id), *(("stop id", i) for i in more_stop_ids)]
+    for name, value in named:
       if value is not None and not 0 <= value < self._vocab_size:
         raise ValueError(f"{name}={value} is outside the vocabulary [0, {self._vocab_size})")
     self._eos = int(eos_id)
+    self._stops = tuple(dict.fromkeys((self._eos, *(int(i) for i in more_stop_ids))))
     self._bos = None if bos_id is None else int(bos_id)
     self._pad = self._eos if pad_id is None else int(pad_id)
 
@@ -710,11 +724,16 @@ class HFTokenizer(Tokenizer):
         ids["bos"] = None
         decided.add("bos")
     model_config_path = os.path.join(config_dir, "config.json")
+    more_eos: list[int] = []  # a chat model's other end-of-sequence ids (end of turn): they stop generation too
     if os.path.isfile(model_config_path):
       model_config = _read_json(model_config_path)
       for kind in ids:
         if ids[kind] is None and kind not in decided:
           ids[kind] = _first_id(model_config.get(f"{kind}_token_id"))
+      more_eos += _all_ids(model_config.get("eos_token_id"))
+    generation_config_path = os.path.join(config_dir, "generation_config.json")
+    if os.path.isfile(generation_config_path):
+      more_eos += _all_ids(_read_json(generation_config_path).get("eos_token_id"))
 
     eos = ids["eos"]
     if eos is None:
@@ -722,7 +741,7 @@ class HFTokenizer(Tokenizer):
         f"could not determine the EOS token for {json_path!r}: looked for 'eos_token' in {tok_config_path!r} "
         f"and 'eos_token_id' in {model_config_path!r}"
       )
-    return cls(tok, eos_id=eos, bos_id=ids["bos"], pad_id=ids["pad"])
+    return cls(tok, eos_id=eos, bos_id=ids["bos"], pad_id=ids["pad"], more_stop_ids=more_eos)
 
   @staticmethod
   def _lookup(tok: tokenizers.Tokenizer, token: str, what: str, source: PathLike) -> int:
@@ -750,6 +769,11 @@ class HFTokenizer(Tokenizer):
   def eos_id(self) -> int:
     """The EOS id."""
     return self._eos
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """The EOS id, then the other end-of-sequence ids of ``config.json`` / ``generation_config.json``."""
+    return self._stops
 
   @property
   def pad_id(self) -> int:

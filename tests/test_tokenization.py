@@ -397,6 +397,17 @@ def test_hf_config_json_fallback_and_pad_to_eos(tmp_path: Path) -> None:
   (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "!", "pad_token": None}))
   tok = HFTokenizer.from_pretrained_dir(d)
   assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 8, 8)
+  # Every end-of-sequence id of config.json and generation_config.json ends a generation (a chat model's
+  # end of turn: only the first stopped it, and decode kept the others as text), EOS first.
+  from mimo_jax.config import RolloutConfig
+  from mimo_jax.rollout.encoding import sampling_params
+
+  assert tok.stop_ids == (8, 2) and 2 in tok.special_ids
+  (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+  tok = HFTokenizer.from_pretrained_dir(d)
+  assert tok.stop_ids == (8, 2, 7) and sampling_params(RolloutConfig(), tok).stop_ids == (8, 2, 7)
+  assert tok.decode([4, 7, 5]) == "hello world" and tok.decode([4, 7, 5], skip_special=False) != "hello world"
+  (d / "generation_config.json").unlink()
   # A BOS set to null there (Qwen: "bos_token": null, "add_bos_token": false, while config.json names
   # <|endoftext|> as bos_token_id) is no BOS: transformers puts none before a prompt, so neither do we.
   for config in ({"eos_token": "!", "bos_token": None}, {"eos_token": "!", "add_bos_token": False}):

@@ -522,7 +522,7 @@ class SamplerGenerateFn:
     self.key = key
     self.last_key: jax.Array | None = None
     self.num_calls = 0
-    stops = (tokenizer.eos_id,) if stop_ids is None else tuple(stop_ids)
+    stops = tokenizer.stop_ids if stop_ids is None else tuple(stop_ids)
     self.sampling = SamplingParams(
       top_k=top_k, top_p=top_p, stop_ids=stops, pad_id=tokenizer.pad_id, vocab_limit=tokenizer.vocab_size
     )
@@ -627,7 +627,7 @@ def sampler_generate_fn(
     max_new_tokens: the completion buffer length.
     temperature: sampling temperature (0: greedy).
     key: the initial PRNG key.
-    stop_ids: tokens that end an output (default: the tokenizer's EOS).
+    stop_ids: tokens that end an output (default: the tokenizer's stop ids).
     top_k: top-k truncation (0: off).
     top_p: nucleus truncation (1: off).
     num_rows: prompts per device call (default: the next power of two of each call's count).

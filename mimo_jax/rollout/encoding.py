@@ -15,11 +15,12 @@ from mimo_jax.tokenization import Tokenizer, keep_last_tokens
 
 
 def sampling_params(cfg: RolloutConfig, tokenizer: Tokenizer) -> SamplingParams:
-  """The run's static sampling parameters: its top-k/top-p, the tokenizer's EOS as the stop id."""
+  """The run's static sampling parameters: its top-k/top-p, the tokenizer's stop ids (EOS, and a chat
+  model's end of turn)."""
   return SamplingParams(
     top_k=cfg.top_k,
     top_p=cfg.top_p,
-    stop_ids=(tokenizer.eos_id,),
+    stop_ids=tokenizer.stop_ids,
     pad_id=tokenizer.pad_id,
     vocab_limit=tokenizer.vocab_size,  # a padded model vocabulary never samples ids the tokenizer lacks
   )
