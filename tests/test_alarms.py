@@ -330,8 +330,10 @@ def test_a_learning_rate_spike_after_a_rise_is_a_reward_collapse_caught_and_roll
   alarms = [json.loads(line) for line in open(run_dir / "alarms.jsonl")]
   assert [a["kind"] for a in alarms] == ["reward_collapse"]
   a, e = alarms[0], alarms[0]["evidence"]
-  # The policy the spike made earns nothing: the two records after it show a reward of 0.
-  assert e["reward_smoothed"] == 0.0 and e["peak"] - e["first"] > max(0.05, e["noise_margin"])
+  # The policy the spike made earns (next to) nothing: within two records of it the smoothed reward (a
+  # window of 2, which may still hold the last good step) has fallen from the peak past the noise margin.
+  assert e["reward_smoothed"] < 0.6 * e["peak"] and e["peak"] - e["reward_smoothed"] > e["noise_margin"]
+  assert e["peak"] - e["first"] > max(0.05, e["noise_margin"])
   assert a["onset"] == e["peak_step"] <= 12 < a["step"] <= 14 and a["diagnosis"] == list(DIAGNOSIS["reward_collapse"])
   assert a["action"].startswith("rolled back to RL step") and "learning rate x0.5, KL coefficient x2" in a["action"]
   back = int(a["action"].split("RL step ")[1].split(";")[0])
