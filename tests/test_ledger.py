@@ -27,6 +27,36 @@ def test_a_forward_counts_what_xla_counts_for_one_layer():
   assert ours == pytest.approx(xla, rel=0.02) and ours < xla
 
 
+@pytest.mark.parametrize(
+  "impl, remat", [("fused", "none"), ("full", "none"), ("full", "full"), ("full", "dots_no_batch"), ("full", "dots")]
+)
+def test_an_update_counts_what_xla_counts_for_one_layer(impl, remat):
+  """Forward + backward of the log-probs and entropy the update differentiates, against XLA's cost
+  analysis of ``jax.grad`` (one layer): the fused kernel's backward recomputes the logits (4 head
+  forwards, 3 with full logits); ``--remat=full`` recomputes a layer's forward but its MLP
+  down-projection, ``dots_no_batch`` its attention products (the ledger counted 3 forwards of
+  everything, 4 with remat full: 11% under with the fused head, 11% over with full logits and remat)."""
+  from mimo_jax.models.logprobs import completion_stats
+
+  B, P, M = 4, 8, 8
+  cfg = tiny().replace(d_model=256, mlp_dim=512, num_heads=4, num_kv_heads=2, num_layers=1, vocab_size=2048)
+  cfg = cfg.replace(remat=remat)
+  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+  ones = (jnp.ones((B, P), jnp.int32), jnp.ones((B, P), bool), jnp.ones((B, M), jnp.int32), jnp.ones((B, M), bool))
+
+  def objective(s):
+    logp, entropy = completion_stats(nnx.merge(graphdef, s), *ones, 1.0, impl=impl)
+    return jnp.sum(logp) + jnp.sum(entropy)
+
+  cost = jax.jit(jax.grad(objective)).lower(state).cost_analysis()
+  xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
+  ours = FlopCounter.of(cfg).update([P] * B, [M] * B, remat=remat, fused_head=impl == "fused")
+  # XLA's dense attention computes every key of every query, the ledger the causal ones.
+  dense = 4 * 4 * 16 * (B * (P + M) ** 2 - int(causal_keys(0, P + M)) * B)
+  ours += dense * (4 if remat in ("full", "dots_no_batch") else 3)
+  assert ours == pytest.approx(xla, rel=0.02) and ours < xla
+
+
 def test_the_counts_equal_a_token_by_token_count():
   fc = FlopCounter.of(tiny())
   # tiny: L 2, D 64, N 4, K 2, H 16, F 128, V 256: per token 2 * 2 * (64*64 + 2*64*32 + 64*64 + 3*64*128).
@@ -73,7 +103,6 @@ def test_a_shared_prompt_is_counted_once_per_group():
     use_reference=True,
     use_value=False,
     epochs=1,
-    remat_full=False,
     rollout_devices=1,
     learner_devices=1,
     sample_group=3,
@@ -86,7 +115,7 @@ def test_a_shared_prompt_is_counted_once_per_group():
   with pytest.raises(ValueError, match="groups of 4"):
     fc.score(prompts, completions, group=4)
   # A critic's forward and its update passes share prompts as the policy's do.
-  kw = dict(epochs=1, remat_full=False, rollout_devices=1, learner_devices=1, sample_group=3, score_group=3)
+  kw = dict(epochs=1, rollout_devices=1, learner_devices=1, sample_group=3, score_group=3)
   critic = Ledger(fc, use_reference=False, use_value=True, update_group=3, **kw).step(
     prompts, completions, value_passes=2
   )
@@ -98,26 +127,29 @@ def test_a_shared_prompt_is_counted_once_per_group():
 def test_a_step_adds_up_the_phases_and_the_totals_survive_a_checkpoint():
   fc = FlopCounter.of(tiny())
   kw = dict(epochs=2, rollout_devices=2, learner_devices=6)
-  ledger = Ledger(fc, use_reference=True, use_value=True, remat_full=True, **kw)
+  ledger = Ledger(fc, use_reference=True, use_value=True, remat="full", fused_head=True, **kw)
   p, c = [4, 6], [2, 3]
   score, value = fc.score(p, c), fc.score(p, c, head="value")
   m = ledger.step(p, c, rounds=2, value_passes=3, time_generate_s=1.5, time_train_s=2.0)
   assert m["flops_generate"] == 2 * fc.generate(p, c) and m["flops_score"] == m["flops_reference"] == score
-  # forward + backward with the forward recomputed (remat full): 4 forwards, per epoch; the critic's
-  # forward for the values and 4 forwards per value pass.
-  assert m["flops_learn"] == 4 * 2 * score + value + 4 * 3 * value
+  # forward + backward with the layers recomputed (remat full) per epoch; the critic's forward for the
+  # values and its forward + backward per value pass.
+  update = fc.update(p, c, remat="full", fused_head=True)
+  # 4 forwards (the fused head's 4th: its recomputed logits), less the 15 tokens' MLP down-projections
+  assert update == 4 * score - 15 * 2 * 2 * 64 * 128
+  assert m["flops_learn"] == 2 * update + value + 3 * fc.update(p, c, head="value", remat="full")
   assert m["flops_step"] == m["flops_generate"] + 2 * score + m["flops_learn"]
   assert (m["device_s_generate"], m["device_s_train"], m["device_s_total"]) == (3.0, 12.0, 15.0)
   assert (m["samples_total"], m["tokens_total"]) == (2, 15)
   saved = ledger.state_dict()
   m2 = ledger.step(p, c, trained=False, time_generate_s=0.5, time_train_s=0.5)
-  plain = Ledger(fc, use_reference=False, use_value=False, remat_full=False, **kw)
+  plain = Ledger(fc, use_reference=False, use_value=False, **kw)
   assert m2["flops_learn"] == value  # value warm-up: the policy is not updated, the critic's forward runs
   assert plain.step(p, c)["flops_learn"] == 3 * 2 * score and plain.step(p, c)["flops_reference"] == 0
-  resumed = Ledger(fc, use_reference=True, use_value=True, remat_full=True, **kw)
+  resumed = Ledger(fc, use_reference=True, use_value=True, remat="full", fused_head=True, **kw)
   resumed.load_state_dict(saved)
   assert resumed.step(p, c, trained=False, time_generate_s=0.5, time_train_s=0.5) == m2
-  fresh = Ledger(fc, use_reference=True, use_value=True, remat_full=True, **kw)
+  fresh = Ledger(fc, use_reference=True, use_value=True, remat="full", fused_head=True, **kw)
   fresh.load_state_dict(None)  # a checkpoint written before the ledger
   assert fresh.state_dict() == {"flops_total": 0, "samples_total": 0, "tokens_total": 0, "device_s_total": 0.0}
 

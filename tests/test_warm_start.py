@@ -129,3 +129,5 @@ def test_the_warm_start_key_follows_the_warm_start_settings_only():
   assert key() == key(*RL_ARM) == key("--num_samples=8", "--max_steps=5", "--grad_clip=0.5")
   for changed in ("--seed=1", "--sft_steps=9", "--d_model=32", "--arith_levels=1", "--max_new_tokens=8"):
     assert key(changed) != key(), changed
+  # Devices given to rollout are taken from the mesh the supervised steps run on.
+  assert key("--rollout_devices=1", "--async_rollout") != key("--async_rollout")

@@ -13,9 +13,14 @@ length and completion length; padding is not counted), for what the trainer runs
   own log-probs stand in for them (``--behaviour_logprobs``).  With ``--share_prompts`` a group's prompt
   runs once and each completion after it, less its last token (which predicts nothing).
 - ``reference``: the same forward of the frozen reference (when there is one).
-- ``learn``: forward + backward (3 forwards' worth; 4 with ``--remat=full``, which recomputes the
-  forward in the backward) of the policy per PPO epoch, and of the critic per value pass, plus the
-  critic's forward for the values (the critic's passes share prompts as the policy's do).
+- ``learn``: forward + backward of the policy per PPO epoch, and of the critic per value pass, plus the
+  critic's forward for the values (the critic's passes share prompts as the policy's do).  The layers
+  cost 3 forwards (the backward's two products per matmul), plus what ``--remat`` recomputes: with
+  ``full`` each layer's forward but its last product (the MLP down-projection, whose output the
+  backward does not need), with ``dots_no_batch`` the attention products, with ``dots`` no product.
+  The output head, outside the rematerialised layers, costs 3 forwards, 4 with the fused log-prob
+  kernel (``--logprob_impl=fused``), whose backward recomputes each block's logits.  Matched against
+  XLA's cost analysis of the update in the tests.
 
 A forward over ``T`` tokens with ``S`` attended keys in all (summed over the queries) and ``O``
 output positions costs ``T * 2 * L * (D*N*H + 2*D*K*H + N*H*D + 3*D*F) + 4 * L * N * H * S + 2 * D * V * O``
@@ -68,12 +73,18 @@ class FlopCounter:
   def forward(self, tokens, keys, outputs, *, head: str = "logits") -> int:
     """A forward over ``tokens`` tokens attending ``keys`` keys in all, with ``outputs`` output positions
     (``head``: ``logits`` of the vocabulary, or a scalar ``value``)."""
+    return sum(self._terms(tokens, keys, outputs, head=head)[:3])
+
+  def _terms(self, tokens, keys, outputs, *, head: str = "logits") -> tuple[int, int, int, int]:
+    """:meth:`forward`'s (projections and MLP, attention, output head) FLOPs, and the MLP
+    down-projections' share of the first."""
     out_width = self.vocab if head == "logits" else 1
-    attention = 4 * self.layers * self.heads * self.head_dim
-    return int(
-      np.sum(np.asarray(tokens, np.int64)) * self.per_token
-      + attention * np.sum(np.asarray(keys, np.int64))
-      + 2 * self.d_model * out_width * np.sum(np.asarray(outputs, np.int64))
+    n = int(np.sum(np.asarray(tokens, np.int64)))
+    return (
+      n * self.per_token,
+      4 * self.layers * self.heads * self.head_dim * int(np.sum(np.asarray(keys, np.int64))),
+      2 * self.d_model * out_width * int(np.sum(np.asarray(outputs, np.int64))),
+      n * 2 * self.layers * self.d_model * self.mlp_dim,
     )
 
   def generate(self, prompt_len: np.ndarray, completion_len: np.ndarray, *, group: int = 1) -> int:
@@ -89,11 +100,31 @@ class FlopCounter:
     """One teacher-forced forward over prompt + completion, outputs at the completion positions; with
     ``group`` > 1 each group's prompt once, then each completion less its last token
     (``models.logprobs.completion_hidden``)."""
+    return sum(self._score_terms(prompt_len, completion_len, head=head, group=group)[:3])
+
+  def update(
+    self,
+    prompt_len: np.ndarray,
+    completion_len: np.ndarray,
+    *,
+    head: str = "logits",
+    group: int = 1,
+    remat: str = "none",
+    fused_head: bool = False,
+  ) -> int:
+    """Forward + backward of :meth:`score`'s pass: 3 forwards of the layers plus what ``remat``
+    recomputes (``full``: the forward but the MLP down-projections; ``dots_no_batch``: the attention
+    products), and 3 of the output head (4 with ``fused_head``: the kernel recomputes the logits)."""
+    proj, attn, out, down = self._score_terms(prompt_len, completion_len, head=head, group=group)
+    recompute = {"full": proj - down + attn, "dots_no_batch": attn}.get(remat, 0)
+    return 3 * (proj + attn) + recompute + (4 if fused_head and head == "logits" else 3) * out
+
+  def _score_terms(self, prompt_len, completion_len, *, head: str, group: int) -> tuple[int, int, int, int]:
     p, c = np.asarray(prompt_len, np.int64), np.asarray(completion_len, np.int64)
     if group == 1:
-      return self.forward(p + c, causal_keys(0, p + c), c, head=head)
+      return self._terms(p + c, causal_keys(0, p + c), c, head=head)
     p_g, rest = _groups(p, group)[:, 0], np.maximum(c - 1, 0)
-    return self.forward(
+    return self._terms(
       np.sum(p_g) + np.sum(rest), np.sum(causal_keys(0, p_g)) + np.sum(causal_keys(p, rest)), c, head=head
     )
 
@@ -113,7 +144,8 @@ class Ledger:
     use_reference: a reference forward runs each step.
     use_value: a critic is trained (its forward and update passes count).
     epochs: PPO epochs over each batch.
-    remat_full: ``--remat=full`` (the backward recomputes the forward).
+    remat: the model's ``--remat`` policy (what the backward recomputes).
+    fused_head: the policy's log-probs come from the fused kernel (its backward recomputes the logits).
     rollout_devices: devices generation runs on.
     learner_devices: devices the learner program runs on.
     sample_group: rows per prompt in generation (``--num_samples``: the sampler prefills a prompt once).
@@ -129,7 +161,8 @@ class Ledger:
     use_value: bool,
     epochs: int,
     use_behaviour_pass: bool = True,
-    remat_full: bool,
+    remat: str = "none",
+    fused_head: bool = False,
     rollout_devices: int,
     learner_devices: int,
     sample_group: int = 1,
@@ -142,7 +175,7 @@ class Ledger:
     self.use_value = use_value
     self.use_behaviour_pass = use_behaviour_pass
     self.epochs = epochs
-    self.backward_factor = 4 if remat_full else 3
+    self.remat, self.fused_head = remat, fused_head
     self.rollout_devices = rollout_devices
     self.learner_devices = learner_devices
     self.totals = {"flops_total": 0, "samples_total": 0, "tokens_total": 0, "device_s_total": 0.0}
@@ -174,13 +207,15 @@ class Ledger:
       "flops_score": float(score if self.use_behaviour_pass else 0),
       "flops_reference": float(score if self.use_reference else 0),
     }
-    policy = pc.score(prompt_len, completion_len, group=self.update_group)
-    learn = self.backward_factor * self.epochs * policy if trained else 0
+    policy = pc.update(
+      prompt_len, completion_len, group=self.update_group, remat=self.remat, fused_head=self.fused_head
+    )
+    learn = self.epochs * policy if trained else 0
     if self.use_value:
       # The critic's passes share prompts as the policy's do: its forward as the score pass, its updates as the update.
       value = pc.score(prompt_len, completion_len, head="value", group=self.score_group)
-      value_update = pc.score(prompt_len, completion_len, head="value", group=self.update_group)
-      learn += value + self.backward_factor * value_passes * value_update
+      value_update = pc.update(prompt_len, completion_len, head="value", group=self.update_group, remat=self.remat)
+      learn += value + value_passes * value_update
     out["flops_learn"] = float(learn)
     out["flops_step"] = sum(out.values())
     out["device_s_generate"] = time_generate_s * self.rollout_devices

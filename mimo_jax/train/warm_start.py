@@ -36,7 +36,8 @@ WARM_START: dict[str, tuple[str, ...]] = {
   "mesh": ("mesh_data", "mesh_fsdp", "mesh_tensor", "num_processes"),
   "run": ("seed", "sft_steps", "sft_curriculum_steps"),
   "optim": ("sft_learning_rate", "sft_grad_clip", "master_dtype"),
-  "rollout": ("max_new_tokens", "prompt_buckets"),
+  # rollout_devices: the devices left to the learner make the mesh the supervised steps run on.
+  "rollout": ("max_new_tokens", "prompt_buckets", "rollout_devices"),
   "data": tuple(
     f.name
     for f in dataclasses.fields(DataConfig)
