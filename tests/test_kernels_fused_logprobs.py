@@ -102,37 +102,37 @@ class TestFusedLogprobs:
     # Compiled Pallas cannot run on CPU; elsewhere "pallas" is the backend's kernel.
     return ("xla", "auto") + (("pallas",) if jax.default_backend() != "cpu" else ())
 
-  @pytest.mark.parametrize("case", CASES, ids=lambda c: f"n{c.n}h{c.h}v{c.v}T{c.temperature}{c.dtype.__name__}")
-  def test_matches_reference(self, case: Case):
-    hidden, w, targets, ref_lp = _inputs(case.n, case.h, case.v)
-    hidden_in, w_in = hidden.astype(case.dtype), w.astype(case.dtype)
-    tol = TOLERANCES[case.dtype]
+  def _assert_matches_reference(self, hidden_in, w_in, targets, ref_lp, tol, block_sizes, **kwargs):
+    """Every implementation's outputs (float32) and gradients (in the inputs' dtypes) against the
+    reference's on the same inputs in float32; ``kwargs``: the temperatures."""
 
     def reference(hid, w_):
-      return fl.fused_logprobs_reference(hid, w_, targets, temperature=case.temperature, ref_logprobs=ref_lp)
+      return fl.fused_logprobs_reference(hid, w_, targets, ref_logprobs=ref_lp, **kwargs)
 
     ref_out, ref_grads = _loss_and_grads(reference, hidden_in.astype(jnp.float32), w_in.astype(jnp.float32))
     for impl in self.impls():
 
       def fn(hid, w_, impl=impl):
         return fl.fused_logprobs(
-          hid,
-          w_,
-          targets,
-          temperature=case.temperature,
-          ref_logprobs=ref_lp,
-          impl=impl,
-          block_sizes=case.block_sizes,
-          interpret=self.INTERPRET,
+          hid, w_, targets, ref_logprobs=ref_lp, impl=impl, block_sizes=block_sizes, interpret=self.INTERPRET, **kwargs
         )
 
       out, grads = _loss_and_grads(fn, hidden_in, w_in)
       for name in ("logprobs", "entropy", "kl"):
         assert getattr(out, name).dtype == jnp.float32
         _assert_close(getattr(out, name), getattr(ref_out, name), tol, f"{impl} {name}")
-      assert grads[0].dtype == case.dtype and grads[1].dtype == case.dtype
+      assert grads[0].dtype == hidden_in.dtype and grads[1].dtype == w_in.dtype
       _assert_close(grads[0], ref_grads[0], tol, f"{impl} d hidden")
       _assert_close(grads[1], ref_grads[1], tol, f"{impl} d w_unembed")
+
+  @pytest.mark.parametrize("case", CASES, ids=lambda c: f"n{c.n}h{c.h}v{c.v}T{c.temperature}{c.dtype.__name__}")
+  def test_matches_reference(self, case: Case):
+    hidden, w, targets, ref_lp = _inputs(case.n, case.h, case.v)
+    hidden_in, w_in = hidden.astype(case.dtype), w.astype(case.dtype)
+    tol = TOLERANCES[case.dtype]
+    self._assert_matches_reference(
+      hidden_in, w_in, targets, ref_lp, tol, case.block_sizes, temperature=case.temperature
+    )
 
   def test_without_ref_logprobs_and_large_logits(self):
     # Logits around +-60 / T: the online max rescaling must keep exp finite and entropy accurate.
@@ -158,37 +158,14 @@ class TestFusedLogprobs:
     the reference's; a bf16 row's logits are those of the unscaled bf16 matmul, divided in float32 (as
     the full path and the sampler compute them)."""
     hidden, w, targets, ref_lp = _inputs(37, 32, 203, seed=5)
-    rows = jnp.linspace(0.5, 1.5, 37, dtype=jnp.float32)
-    tol = TOLERANCES[jnp.float32]
-
-    def reference(hid, w_):
-      return fl.fused_logprobs_reference(hid, w_, targets, temperature=1.3, ref_logprobs=ref_lp, row_temperature=rows)
-
-    ref_out, ref_grads = _loss_and_grads(reference, hidden, w)
+    temps = dict(temperature=1.3, row_temperature=jnp.linspace(0.5, 1.5, 37, dtype=jnp.float32))
+    sizes = fl.BlockSizes(8, 64, 16)
+    self._assert_matches_reference(hidden, w, targets, ref_lp, TOLERANCES[jnp.float32], sizes, **temps)
+    # bf16 inputs: the unscaled bf16 matmul's float32 logits, divided per row.
+    hid16, w16 = hidden.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    want = fl.fused_logprobs_reference(hid16.astype(jnp.float32), w16.astype(jnp.float32), targets, **temps)
     for impl in self.impls():
-
-      def fn(hid, w_, impl=impl):
-        return fl.fused_logprobs(
-          hid,
-          w_,
-          targets,
-          temperature=1.3,
-          ref_logprobs=ref_lp,
-          row_temperature=rows,
-          impl=impl,
-          block_sizes=fl.BlockSizes(8, 64, 16),
-          interpret=self.INTERPRET,
-        )
-
-      out, grads = _loss_and_grads(fn, hidden, w)
-      for name in ("logprobs", "entropy", "kl"):
-        _assert_close(getattr(out, name), getattr(ref_out, name), tol, f"{impl} {name}")
-      _assert_close(grads[0], ref_grads[0], tol, f"{impl} d hidden")
-      _assert_close(grads[1], ref_grads[1], tol, f"{impl} d w_unembed")
-      # bf16 inputs: the unscaled bf16 matmul's float32 logits, divided per row.
-      hid16, w16 = hidden.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-      got = fn(hid16, w16)
-      want = reference(hid16.astype(jnp.float32), w16.astype(jnp.float32))
+      got = fl.fused_logprobs(hid16, w16, targets, impl=impl, block_sizes=sizes, interpret=self.INTERPRET, **temps)
       _assert_close(got.logprobs, want.logprobs, dict(rtol=1e-5, atol=2e-5), f"{impl} bf16 logprobs")
 
 
