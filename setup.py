@@ -39,6 +39,8 @@ EXTRAS = {
     "tokenizers>=0.22",
     # The math reward's symbolic-equivalence tests (also a dependency of torch; named so they never skip).
     "sympy>=1.12",
+    # The sweep fit's least-squares oracle (also a dependency of jax; named because a test imports it).
+    "scipy>=1.14",
     "matplotlib==3.10.9",
     "selenium==4.50.0",  # drives Debian's chromium for the report's browser test (make browser installs it)
     "wandb==0.30.0",  # the offline W&B test
