@@ -21,7 +21,8 @@ def write_atomic(path: str, text: str) -> None:
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
-  """The rows of a JSON-lines file (none if absent; a line cut by a writer is skipped)."""
+  """The rows of a JSON-lines file (none if absent; a line cut by a writer, or one that holds no JSON
+  object, is skipped)."""
   if not os.path.exists(path):
     return []
   rows = []
@@ -29,16 +30,19 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     for line in f:
       if line.strip():
         with contextlib.suppress(json.JSONDecodeError):
-          rows.append(json.loads(line))
+          row = json.loads(line)
+          if isinstance(row, dict):
+            rows.append(row)
   return rows
 
 
 def read_json(path: str) -> dict[str, Any] | None:
-  """A JSON file's object (None if absent or half-written)."""
+  """A JSON file's object (None if absent, half-written, or not an object)."""
   if not os.path.exists(path):
     return None
   try:
     with open(path, encoding="utf-8") as f:
-      return json.load(f)
+      value = json.load(f)
   except json.JSONDecodeError:
     return None
+  return value if isinstance(value, dict) else None

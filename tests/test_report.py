@@ -176,6 +176,39 @@ def test_the_report_of_a_live_run(run_dir, tmp_path, capsys):
   assert "not a run directory" in capsys.readouterr().err
 
 
+def test_the_report_of_hand_edited_logs(run_dir, tmp_path):
+  """Rows edited by hand into shapes the trainer never writes are left out or shown as text; the page is
+  still drawn (each of these raised out of the report before)."""
+  from mimo_jax.report.__main__ import main as report
+
+  edited = tmp_path / "edited"
+  shutil.copytree(run_dir, edited)
+  alarms = [json.loads(line) for line in open(edited / "alarms.jsonl")]
+  assert alarms
+  with open(edited / "metrics.jsonl", "a") as f:
+    f.write("null\n[1, 2]\n7\n")
+    f.write(json.dumps({"reward_mean": 0.5}) + "\n")  # no step
+  with open(edited / "alarms.jsonl", "a") as f:
+    f.write(json.dumps({"kind": "no step", "evidence": {}}) + "\n")
+    f.write(json.dumps({**alarms[0], "kind": r"cost $\frac$ per", "evidence": [1, 2], "diagnosis": "x"}) + "\n")
+  with open(edited / "histograms.jsonl", "a") as f:
+    row = json.loads(open(run_dir / "histograms.jsonl").readline())
+    q = row["reward_hist"]
+    f.write(json.dumps({**row, "step": 90, "reward_hist": [float("nan")] * len(q)}) + "\n")  # NaN
+    f.write(json.dumps({**row, "step": 91, "reward_hist": q[:3]}) + "\n")  # too few quantiles
+    f.write(json.dumps({**row, "step": 92, "reward_hist": ["a"] * len(q)}) + "\n")
+  summary = json.loads(open(edited / "summary.json").read())
+  open(edited / "summary.json", "w").write(json.dumps({**summary, "code": "edited"}))
+  assert report([str(edited)]) == 0
+  text = open(edited / "report.html", encoding="utf-8").read()
+  assert f"{len(alarms) + 1} alarm(s)" in text  # the one without a step is left out
+  assert r"cost $\frac$ per" in text and "RL step 6 of 6" not in text and ">complete<" in text
+  open(edited / "summary.json", "w").write("[1, 2]")  # not an object: as if absent
+  open(edited / "config.json", "w").write("null")
+  assert report([str(edited)]) == 0
+  assert "in progress or stopped: RL step 6 of None logged" in open(edited / "report.html", encoding="utf-8").read()
+
+
 def test_the_report_draws_the_evaluation_of_every_kept_checkpoint(run_dir, tmp_path):
   """`python -m mimo_jax.eval --run_dir=RUN --all` writes eval_curve.jsonl; the redrawn report adds its
   RL checkpoints to the held-out figure, so a curve that falls while the reward rises is visible."""

@@ -68,7 +68,8 @@ def lines(
     if handles:
       ax2.legend(handles, labels, loc="upper right", fontsize=7)
   seen = {}
-  for x, label in marks:
+  for x, kind in marks:
+    label = kind.replace("$", r"\$")  # text, not matplotlib's mathtext
     colour = seen.setdefault(label, _MARK_COLOURS[len(seen) % len(_MARK_COLOURS)])
     ax.axvline(x, color=colour, lw=1.0, ls=":", label=label if label not in ax.get_legend_handles_labels()[1] else None)
   if logx:

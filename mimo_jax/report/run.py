@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import html
 import json
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -39,7 +40,7 @@ def load_run(run_dir: str) -> dict[str, Any]:
   f = lambda name: os.path.join(run_dir, name)  # noqa: E731
   if not os.path.isdir(run_dir) or not (os.path.exists(f("config.json")) or os.path.exists(f("metrics.jsonl"))):
     raise FileNotFoundError(f"{run_dir}: not a run directory (no config.json or metrics.jsonl)")
-  metrics = read_jsonl(f("metrics.jsonl"))
+  metrics = _stepped(read_jsonl(f("metrics.jsonl")))
   return {
     "run_dir": os.path.abspath(run_dir),
     "config": read_json(f("config.json")) or {},
@@ -47,13 +48,52 @@ def load_run(run_dir: str) -> dict[str, Any]:
     "metrics": metrics,
     "rl": [r for r in metrics if "reward_mean" in r],
     "evals": [r for r in metrics if any(k.startswith("eval/") for k in r)],
-    "histograms": read_jsonl(f("histograms.jsonl")),
-    "samples": read_jsonl(f("samples.jsonl")),
-    "alarms": read_jsonl(f("alarms.jsonl")),
+    "histograms": _stepped(read_jsonl(f("histograms.jsonl"))),
+    "samples": _stepped(read_jsonl(f("samples.jsonl"))),
+    "alarms": [_alarm(a) for a in _stepped(read_jsonl(f("alarms.jsonl")))],
     # `python -m mimo_jax.eval --run_dir=RUN --all`: every kept checkpoint, evaluated afterwards.
     "eval_curve": [r for r in read_jsonl(f("eval_curve.jsonl")) if r.get("phase") == "rl"],
     "updated": os.path.getmtime(f("metrics.jsonl")) if os.path.exists(f("metrics.jsonl")) else None,
   }
+
+
+def _stepped(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The rows with a finite numeric ``step`` (the trainer writes one on every row; a row edited by hand
+  without one cannot be placed on a curve and is left out)."""
+  return [
+    r
+    for r in rows
+    if isinstance(r.get("step"), (int, float)) and not isinstance(r["step"], bool) and math.isfinite(r["step"])
+  ]
+
+
+def _alarm(a: Mapping[str, Any]) -> dict[str, Any]:
+  """An ``alarms.jsonl`` row in the shape the page draws (fields edited by hand into other types are
+  shown as text)."""
+  evidence, diagnosis = a.get("evidence"), a.get("diagnosis")
+  return {
+    **a,
+    "kind": str(a.get("kind")),
+    "evidence": dict(evidence) if isinstance(evidence, Mapping) else {},
+    "diagnosis": [str(d) for d in diagnosis] if isinstance(diagnosis, list) else [],
+  }
+
+
+def _quantile_rows(hists: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], list[list[float]]]:
+  """The steps and quantiles of ``key`` over the histogram rows whose quantiles are finite numbers, as
+  many as the trainer writes (the most common count)."""
+  rows = [
+    (h["step"], q)
+    for h in hists
+    if isinstance(q := h.get(key), list)
+    and len(q) > 1
+    and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in q)
+  ]
+  if not rows:
+    return [], []
+  width = max({len(q) for _, q in rows}, key=[len(q) for _, q in rows].count)
+  kept = [(step, q) for step, q in rows if len(q) == width]
+  return [step for step, _ in kept], [q for _, q in kept]
 
 
 def _eval_keys(evals: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -108,8 +148,8 @@ def run_report(run: Mapping[str, Any]) -> Page:
         facts.append([k, r[k]])
   if summary is not None:
     facts += [[k, summary.get(k)] for k in ("wall_time_s", "sft_time_s", "nonfinite_steps") if k in summary]
-    code = summary.get("code") or {}
-    if code:
+    code = summary.get("code")
+    if isinstance(code, Mapping) and code:
       facts.append(
         ["code", f"{code.get('package', '')} {code.get('commit', '') or ''}{' (dirty)' if code.get('dirty') else ''}"]
       )
@@ -236,9 +276,9 @@ def run_report(run: Mapping[str, Any]) -> Page:
   hists = run["histograms"]
   page.heading("Distributions over time", anchor="distributions")
   for key, label in (("reward_hist", "raw reward"), ("response_len_hist", "response length (tokens)")):
-    rows_ = [h for h in hists if h.get(key)]
+    steps_, quantiles = _quantile_rows(hists, key)
     page.figure(
-      quantile_heatmap([h["step"] for h in rows_], [h[key] for h in rows_], title=f"{label} per step", ylabel=label),
+      quantile_heatmap(steps_, quantiles, title=f"{label} per step", ylabel=label),
       f"the batch's {label} distribution at each RL step (from histograms.jsonl's quantiles)",
     )
 
