@@ -183,6 +183,40 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(finished_run, tmp_p
   gc.collect()
 
 
+def test_a_run_resumed_past_a_truncated_checkpoint_sets_it_aside_and_ends_as_the_uninterrupted_one(
+  finished_run, tmp_path
+):
+  """The resumed run writes the unreadable step's number again (Orbax refused: "Checkpoint for step 13
+  already exists", and the run died): the unreadable step moves to checkpoints.unreadable/ (kept for a
+  look), the run redoes its last step to the uninterrupted run's very arrays, and Orbax's reads left
+  behind by the failed restore print no tracebacks into the output."""
+  run_dir = _copy(finished_run, tmp_path)
+  latest = run_dir / "checkpoints" / "13" / "state"
+  victim = max((p for p in latest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+  truncated = victim.read_bytes()
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run(
+    [sys.executable, "-m", "mimo_jax.main", *SMALL, f"--run_dir={run_dir}"],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 0, out[-4000:]
+  assert "checkpoint 13 could not be read" in out and "resumed from rl step 5 (checkpoint 12)" in out
+  assert f"unreadable checkpoint 13 moved to {run_dir}/checkpoints.unreadable/13" in out
+  assert "Traceback" not in out and "Exception ignored" not in out and "TensorStore" not in out
+  assert (run_dir / "checkpoints.unreadable" / "13" / victim.relative_to(latest.parent)).read_bytes() == truncated
+  again = Checkpointer(str(run_dir / "checkpoints"), read_only=True)
+  first = Checkpointer(str(finished_run / "checkpoints"), read_only=True)
+  assert again.all_steps() == first.all_steps()
+  assert again.read_meta(13)["fingerprint"] == first.read_meta(13)["fingerprint"]  # the same arrays, bit for bit
+  again.close(), first.close()
+  assert [r["step"] for r in _metrics(run_dir)] == [r["step"] for r in _metrics(finished_run)]
+
+
 # A run written by the release before the guarded optimizer (checkpoint metadata version 1: each
 # optimizer state the bare optax chain's, the skip counter beside it): PPO with a critic, these flags,
 # checkpoints every 3 steps; kept are RL step 3 (checkpoint 10), the reference and the run's own

@@ -19,9 +19,11 @@ then falls back to the previous step and says so.
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import os
 import shutil
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -38,6 +40,40 @@ from mimo_jax.ckpt import schema
 
 class CheckpointCorrupted(RuntimeError):
   """A checkpoint that cannot be read back intact."""
+
+
+def _unreadable(step: int, e: BaseException) -> CheckpointCorrupted:
+  """The error for a read of ``step`` that raised ``e``: its first line, without the TensorStore spec
+  Orbax appends (a page of JSON)."""
+  why = str(e).split("\n", 1)[0].split(" See full TensorStore details", 1)[0]
+  why = why.rstrip(". ") if len(why) <= 300 else why[:300] + "..."
+  _quiet_failed_reads()
+  return CheckpointCorrupted(f"checkpoint {step} could not be read: {type(e).__name__}: {why}")
+
+
+@functools.cache
+def _quiet_failed_reads() -> None:
+  """Orbax runs a restore's reads as tasks of an event loop that it closes as soon as one read fails.
+  The reads still in flight then end in a closed loop (TensorStore's callbacks print "Event loop is
+  closed" through ``sys.excepthook``), and their coroutines, collected whenever the garbage collector
+  runs, print one "Exception ignored" traceback each, with a page of TensorStore spec: dozens, in the
+  middle of the resumed run's output, for a failure already reported in one line.  From the first
+  failed read on, this process leaves those two kinds out (every other exception prints as before)."""
+  unraisable, excepthook = sys.unraisablehook, sys.excepthook
+
+  def quiet_unraisable(u):
+    code = getattr(u.object, "cr_code", None)
+    if code is None or f"{os.sep}orbax{os.sep}" not in code.co_filename:
+      unraisable(u)
+
+  def quiet_excepthook(kind, value, tb):
+    top = tb.tb_frame.f_code.co_filename if tb is not None else ""
+    closed_loop = kind is RuntimeError and str(value) == "Event loop is closed"
+    if not (closed_loop and top.endswith(os.path.join("asyncio", "base_events.py"))):
+      excepthook(kind, value, tb)
+
+  sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_excepthook
+  gc.collect()
 
 
 def _path_str(path) -> str:
@@ -341,7 +377,7 @@ class Checkpointer:
     except schema.SchemaError as e:
       error = CheckpointCorrupted(f"checkpoint {step}: {e}")
     except Exception as e:  # noqa: BLE001 - any read failure means this step is unusable
-      error = CheckpointCorrupted(f"checkpoint {step} could not be read: {type(e).__name__}: {e}")
+      error = _unreadable(step, e)
     # Every process takes the same branch (the fingerprint is a collective in a multi-process run).
     if multihost.any_process(error is not None):
       raise error or CheckpointCorrupted(f"checkpoint {step} could not be read by another process")
@@ -374,7 +410,7 @@ class Checkpointer:
         ),
       )
     except Exception as e:  # noqa: BLE001 - any read failure means this step is unusable
-      raise CheckpointCorrupted(f"checkpoint {step} could not be read: {type(e).__name__}: {e}") from e
+      raise _unreadable(step, e) from None
     got = fingerprint(restored)
     expected = {k: v for k, v in meta["fingerprint"].items() if k.split("/", 1)[0] in abstract_part}
     bad = [k for k, v in expected.items() if got.get(k) != v]
@@ -421,7 +457,11 @@ class Checkpointer:
 
     Returns:
       ``(step, state, meta)``, or None when no intact checkpoint exists.
+
+    A writer moves the unreadable steps above the one restored to ``<directory>.unreadable/`` (the run
+    writes those step numbers again as it continues; the files stay for a look at what went wrong).
     """
+    unreadable = []
     for step in reversed(self.all_steps()):
       if at_most is not None and step > at_most:
         continue
@@ -434,9 +474,25 @@ class Checkpointer:
         )
         logging.error("%s; falling back to an earlier checkpoint", why)
         print(f"warning: {why}; falling back to an earlier checkpoint", flush=True)
+        unreadable.append(step)
         continue
+      if unreadable and not self.read_only:
+        self._set_aside(unreadable)
       return step, state, meta
     return None
+
+  def _set_aside(self, steps: Sequence[int]) -> None:
+    aside = f"{self.directory}.unreadable"
+    if multihost.is_primary():
+      os.makedirs(aside, exist_ok=True)
+      for step in steps:
+        to, n = os.path.join(aside, str(step)), 1
+        while os.path.lexists(to):  # one set aside before under that number
+          to, n = os.path.join(aside, f"{step}.{n}"), n + 1
+        os.rename(os.path.join(self.directory, str(step)), to)
+        print(f"warning: unreadable checkpoint {step} moved to {to} (the run writes step {step} again)", flush=True)
+    multihost.barrier(f"mimo_jax_checkpointer_set_aside:{self.directory}")
+    self._mgr.reload()
 
   def delete_after(self, step: int) -> None:
     """Deletes every checkpoint newer than ``step`` (used by rollback)."""

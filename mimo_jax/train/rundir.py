@@ -50,6 +50,9 @@ RUN_FILES = (
   "checkpoints",
   "reference",
   "best",
+  "checkpoints.unreadable",  # unreadable checkpoints moved aside on resume (`Checkpointer.restore_latest`)
+  "reference.unreadable",
+  "best.unreadable",
   "metrics.jsonl",
   "samples.jsonl",
   "histograms.jsonl",
