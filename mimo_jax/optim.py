@@ -93,17 +93,19 @@ class TrainState(flax.struct.PyTreeNode):
 
 
 def master_copy(params: Any, dtype: Any) -> Any:
-  """``params`` cast to ``dtype`` (same shardings), or None when no copy is needed (``dtype`` None, or
-  every parameter already in it)."""
+  """``params`` in ``dtype`` or wider (same shardings): each parameter in the wider of its own dtype and
+  ``dtype``, so a copy never rounds (a critic's float32 head stays float32 beside a bfloat16 master).
+  None when no copy is needed (``dtype`` None, or every parameter already that wide)."""
   if dtype is None:
     return None
   dtype = jnp.dtype(dtype)
-  if all(jnp.dtype(x.dtype) == dtype for x in jax.tree.leaves(params)):
+  wider = lambda x: jnp.promote_types(x.dtype, dtype)  # noqa: E731
+  if all(jnp.dtype(x.dtype) == wider(x) for x in jax.tree.leaves(params)):
     return None
   shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), params)
   if all(isinstance(s, NamedSharding) for s in jax.tree.leaves(shardings, is_leaf=lambda s: s is None)):
-    return jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype), p), out_shardings=shardings)(params)
-  return jax.tree.map(lambda x: x.astype(dtype), params)
+    return jax.jit(lambda p: jax.tree.map(lambda x: x.astype(wider(x)), p), out_shardings=shardings)(params)
+  return jax.tree.map(lambda x: x.astype(wider(x)), params)
 
 
 def commit_like_params(tree: Any, params: Any) -> Any:
@@ -173,11 +175,16 @@ def learning_rate_schedule(cfg: OptimConfig, total_steps: int, *, peak: float | 
 
 
 def _decay_mask(params):
-  """Weight decay on matrices only (``w_*``, embeddings, heads), never on norms or biases."""
+  """Weight decay on matrices only (``w_*``, embeddings, heads), never on norms or biases.
+
+  A parameter's name is the last key of its path that is not an ``nnx.Variable``'s ``.value`` (a
+  model's state paths end in ``.value``: read as the name, it decayed nothing)."""
 
   def decide(path, _):
-    name = str(getattr(path[-1], "key", path[-1]))
-    return name.startswith(("w_", "embed", "lm_head"))
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    while len(names) > 1 and names[-1] == "value" and isinstance(path[len(names) - 1], jax.tree_util.GetAttrKey):
+      names.pop()
+    return names[-1].startswith(("w_", "embed", "lm_head"))
 
   return jax.tree_util.tree_map_with_path(decide, params)
 

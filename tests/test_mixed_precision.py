@@ -105,3 +105,27 @@ def test_a_non_finite_update_leaves_the_master_copy_untouched():
   after = jax.tree.map(np.asarray, (state.params, state.master, state.opt_state.inner_state))
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_bfloat16_master_never_rounds_a_wider_parameter():
+  """A bf16 critic's head and bias are float32: ``--master_dtype=bfloat16`` made a bf16 copy of the whole
+  model, the head included, and an update of 1e-5 to a head weight of 1.000244 left it at 1.0.  Each
+  parameter's master is the wider of the two dtypes: no copy at all here (bf16 everywhere else), and the
+  head moves by the update."""
+  from mimo_jax.models.transformer import ValueModel
+  from mimo_jax.optim import master_copy
+
+  model = ValueModel(tiny().replace(param_dtype="bfloat16", dtype="bfloat16"), rngs=nnx.Rngs(0))
+  model.value_head_d.set_value(jnp.full(model.value_head_d.shape, 1.000244, jnp.float32))
+  params = nnx.split(model)[1]
+  assert master_copy(params, "bfloat16") is None
+  wide = master_copy(params, "float32")
+  assert {x.dtype for x in jax.tree.leaves(wide)} == {jnp.dtype(jnp.float32)}
+  tx, _ = make_optimizer(OptimConfig(learning_rate=1e-5, lr_schedule="constant", grad_clip=0.0), 4)
+  state = TrainState.create(model, tx, jax.random.key(0), master_dtype="bfloat16")
+  assert state.master is None
+  grads = jax.tree.map(jnp.ones_like, state.params)  # Adam's first step: each weight moves by -lr
+  state, _ = apply_gradients(state, grads, jnp.float32(1.0))
+  head = np.asarray(state.params["value_head_d"])
+  assert head.dtype == np.float32
+  np.testing.assert_allclose(head, np.float32(1.000244) - 1e-5, rtol=0, atol=2e-7)

@@ -98,3 +98,35 @@ def test_a_non_finite_loss_or_gradient_skips_the_update_and_is_counted(what):
 def test_without_grad_clip_the_threshold_is_infinite():
   tx, _ = make_optimizer(OptimConfig(grad_clip=0.0), 4)
   assert float(hyperparams(tx.init(_params()))["clip_norm"]) == float("inf")
+
+
+def test_weight_decay_reaches_a_real_models_matrices_and_no_norm_or_bias():
+  """The decay mask on an nnx model's state (each path ends in ``.value``: read as the parameter's name,
+  nothing decayed and ``--weight_decay`` did nothing): with zero gradients one update scales every
+  ``w_*``, embedding and head matrix of the policy and the critic by ``1 - lr * weight_decay``, and
+  leaves the norm scales, the critic's head vector and its bias as they were."""
+  from flax import nnx
+
+  from mimo_jax.models import Transformer
+  from mimo_jax.models.config import tiny
+  from mimo_jax.models.transformer import ValueModel
+
+  cfg = OptimConfig(learning_rate=0.1, warmup_steps=0, weight_decay=0.5, grad_clip=0.0, lr_schedule="constant")
+  policy = Transformer(tiny().replace(tie_embeddings=False), rngs=nnx.Rngs(0))
+  for model in (policy, ValueModel.from_policy(policy, rngs=nnx.Rngs(1))):
+    tx, _ = make_optimizer(cfg, 4)
+    state = TrainState.create(model, tx, jax.random.key(0))
+    grads = jax.tree.map(jnp.zeros_like, state.params)
+    after, _ = apply_gradients(state, grads, jnp.float32(1.0))
+    decayed = set()
+    for (path, a), b in zip(
+      jax.tree_util.tree_leaves_with_path(state.params), jax.tree.leaves(after.params), strict=True
+    ):
+      name = jax.tree_util.keystr(path)
+      matrix = any(f"'{p}" in name for p in ("w_", "embed", "lm_head"))
+      expected = np.asarray(a) * (1 - 0.1 * 0.5) if matrix else np.asarray(a)
+      np.testing.assert_allclose(b, expected, rtol=1e-6, atol=1e-8, err_msg=name)
+      if matrix:
+        decayed.add(name.split("'")[-2])
+    assert {"embed_vd", "w_up_df", "w_down_fd"} <= decayed, decayed
+    assert ("lm_head_dv" in decayed) == (model is policy)
