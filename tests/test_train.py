@@ -122,6 +122,20 @@ def test_the_rl_schedule_spans_the_runs_rl_steps_whatever_the_updates_per_step(m
     assert float(schedule(minibatches * epochs * k)) == pytest.approx(hand, rel=1e-5, abs=1e-12), k
 
 
+def test_the_policys_schedule_spans_the_steps_after_the_critics_warm_up():
+  """``--value_warmup_steps=W`` RL steps apply no policy update, so the policy's warm-up and cosine span
+  the ``max_steps - W`` steps after them: the same schedule as a run of that many steps without a critic
+  warm-up (spanning all of ``--max_steps``, the cosine ended W steps short of its floor)."""
+  from mimo_jax.train.learner import rl_optimizer
+
+  flags = ["--learning_rate=1e-3", "--warmup_steps=2", "--advantage=gae", "--use_value_model"]
+  _, warmed = rl_optimizer(parse_config(["prog", *flags, "--max_steps=10", "--value_warmup_steps=5"]))
+  _, plain = rl_optimizer(parse_config(["prog", *flags, "--max_steps=5", "--value_warmup_steps=0"]))
+  for k in range(6):
+    assert float(warmed(k)) == pytest.approx(float(plain(k)), rel=1e-6), k
+  assert float(warmed(5)) == pytest.approx(1e-4, rel=1e-6)  # the floor, at the end of the policy's updates
+
+
 def test_an_optimizer_reset_keeps_the_schedules_position():
   """``--rollback_reset_optimizer``: fresh Adam moments, but the schedule goes on from the update count
   it had (the policy's step counter, at which the trainer reads the logged rate): late in a cosine, the

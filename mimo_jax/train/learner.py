@@ -364,10 +364,13 @@ def rl_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sched
   The schedule advances once per applied update, and an RL step applies ``num_minibatches x
   ppo_epochs`` of them: its warm-up and length are counted in those, so they span ``--warmup_steps``
   and ``--max_steps`` RL steps (sized in RL steps, 4 minibatches ended the warm-up at a quarter of it
-  and reached the cosine's floor at a quarter of the run)."""
+  and reached the cosine's floor at a quarter of the run).  The first ``--value_warmup_steps`` RL
+  steps train only the critic and apply no policy update, so the schedule spans the steps after them
+  (spanning all of ``--max_steps``, it ended that many steps short of its floor)."""
   per_step = cfg.algo.num_minibatches * cfg.algo.ppo_epochs
   optim = dataclasses.replace(cfg.optim, warmup_steps=cfg.optim.warmup_steps * per_step)
-  return make_optimizer(optim, max(cfg.run.max_steps, 1) * per_step, constant=cfg.algo.phase_schedule)
+  policy_steps = max(cfg.run.max_steps - cfg.algo.value_warmup_steps, 1)
+  return make_optimizer(optim, policy_steps * per_step, constant=cfg.algo.phase_schedule)
 
 
 def value_optimizer(cfg: Config) -> optax.GradientTransformation:
