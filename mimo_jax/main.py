@@ -17,9 +17,10 @@ import dataclasses
 import os
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 
-from absl import flags
+from absl import flags, logging
 
 from mimo_jax.config import CONCERN_CLASSES, Config, ConfigError, validate
 from mimo_jax.config_base import coerce_value, field_range, format_list
@@ -261,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_reward_flags(cfg.data)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
+    return _failed(2)  # a flag one host alone got wrong ends the run now, on every host
   if cfg.run.mode == "smoke":
     run_smoke(cfg)
     return 0
@@ -290,11 +291,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     train(cfg)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
+    return _failed(2)
   except RunAborted as e:
     print(f"error: {e}", file=sys.stderr)
-    return 3
+    return _failed(3)
+  except BaseException:
+    if not _multi_process():
+      raise
+    traceback.print_exc()
+    return _failed(1)
   return 0
+
+
+def _multi_process() -> bool:
+  """Whether this process is one of a multi-process run (without starting JAX's backend)."""
+  jax = sys.modules.get("jax")
+  return jax is not None and jax.distributed.is_initialized()
+
+
+def _failed(code: int) -> int:
+  """A failed run's exit code.  A process of a multi-process run that fails ends here and now: on a normal
+  exit JAX's shutdown barrier holds it (and with it the others, waiting for it in a collective) for 300 s
+  whatever ``--heartbeat_timeout_s``, and then aborts; ended, it is seen gone by the others within that
+  timeout."""
+  if _multi_process():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.flush()
+    os._exit(code)
+  return code
 
 
 if __name__ == "__main__":

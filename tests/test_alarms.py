@@ -349,6 +349,29 @@ def test_a_learning_rate_spike_after_a_rise_is_a_reward_collapse_caught_and_roll
   assert min(redone) > 0.2 and np.mean(redone) > 0.8 * e["peak"]
 
 
+def test_an_alarm_with_no_checkpoint_to_roll_back_to_leaves_the_async_run_as_it_was(tmp_path):
+  """--on_alarm=rollback with no RL checkpoint before the onset (--keep_last=1) only logs the alarm: the
+  run equals the --on_alarm=log run, metrics, samples and arrays (it stopped the async producer anyway,
+  and its made batches' prompts were never trained on: the producer went on from where it had got)."""
+  from mimo_jax.main import main
+  from mimo_jax.testing import kill_resume
+
+  flags = [
+    *_rollback_run(tmp_path / "unused", sft_steps=4, max_steps=8, rollbacks=1)[:-1],
+    "--keep_last=1",
+    "--entropy_coef=0.01",  # moves the policy off the reference whatever the rewards
+    "--alarm_kl_max=1e-4",
+    *_silence_all_but("kl_blowup"),
+    "--async_rollout",
+    "--max_staleness=2",
+  ]
+  for mode in ("log", "rollback"):
+    assert main(["prog", *flags, f"--on_alarm={mode}", f"--run_dir={tmp_path / mode}"]) == 0
+  alarms = [json.loads(line) for line in open(tmp_path / "rollback" / "alarms.jsonl")]
+  assert alarms and all(a["action"].startswith("logged (no RL checkpoint before the onset") for a in alarms)
+  assert kill_resume.compare(str(tmp_path / "log"), str(tmp_path / "rollback")) == []
+
+
 @pytest.mark.parametrize("async_rollout", [False, True], ids=["sync", "async"])
 def test_a_fixed_prompt_order_jitters_and_the_alarm_reshuffles_it(async_rollout, tmp_path):
   """A repeating data pipeline, as the reports saw it: 16 prompts in file order (8 easy, then 8 the model
@@ -390,13 +413,26 @@ def test_a_fixed_prompt_order_jitters_and_the_alarm_reshuffles_it(async_rollout,
   )
   rl = [m for m in map(json.loads, open(run_dir / "metrics.jsonl")) if "reward_mean" in m]
   assert [m["step"] for m in rl] == list(range(1, 33)) and rl[-1]["alarm_rollbacks"] == 0
-  # Each step's prompts in batch order, from the sample replay (every row of every step).
-  by_step = {}
-  for r in map(json.loads, open(run_dir / "samples.jsonl")):
-    if r["kind"] != "kl_top":
-      by_step.setdefault(r["step"], {})[r["row"] // 4] = r["prompt"]
-  order = {t: [p[g] for g in range(8)] for t, p in by_step.items()}
+
+  def prompt_order(run_dir):
+    """Each step's prompts in batch order, from the sample replay (every row of every step)."""
+    by_step = {}
+    for r in map(json.loads, open(run_dir / "samples.jsonl")):
+      if r["kind"] != "kl_top":
+        by_step.setdefault(r["step"], {})[r["row"] // 4] = r["prompt"]
+    return {t: [p[g] for g in range(8)] for t, p in by_step.items()}
+
+  order = prompt_order(run_dir)
   assert sorted(order) == list(range(1, 33))
+  if async_rollout:
+    # Stopped at the alarm's step and resumed: the batch the producer had made before the reshuffle is
+    # pending in the checkpoint and made again in the old order, and the order breaks at the same batch
+    # (the reshuffle was lost: the resumed run went back to the file's order for good).
+    again = tmp_path / "again"
+    async_flags = [*flags[:-1], f"--run_dir={again}", *silence, *data, "--async_rollout=true"]
+    assert main(["prog", *async_flags, f"--stop_at_step={s}"]) == 0
+    assert main(["prog", *async_flags]) == 0
+    assert prompt_order(again) == order
   prompts = [r["prompt"] for r in easy + hard]
   # Up to the reshuffle: the file's order, easy and hard batches alternating, and the reward with them.
   for t in range(1, shuffled):

@@ -230,6 +230,43 @@ def test_a_ctrl_c_to_the_launcher_saves_every_process_at_one_step(tmp_path):
   assert "KeyboardInterrupt" not in out
 
 
+@pytest.mark.slow
+def test_a_ctrl_c_on_one_hosts_terminal_saves_every_process_and_a_second_ends_the_run_at_once(tmp_path):
+  """Each host runs its own command (no launcher): a SIGINT to one process is a preemption, so both save
+  at one step boundary and exit 0 (it raised KeyboardInterrupt in that process alone; the other waited in
+  a collective, and JAX's shutdown barrier held both 300 s, whatever --heartbeat_timeout_s, then
+  aborted them).  Two SIGINTs: the second ends that process at once, with its traceback, and the other
+  sees it gone within the heartbeat timeout and ends too (no abort, no barrier wait)."""
+  run = str(tmp_path / "run")
+  flags = [*GRPO, "--max_steps=40", "--checkpoint_every=0"]
+  procs = _start(run, flags, 2, 1, "once")
+  _wait_for_rl_step(run, 1, procs)
+  procs[1].send_signal(signal.SIGINT)
+  codes = _wait(procs)
+  logs = [open(f"{run}.once.p{i}.log").read() for i in range(2)]
+  assert codes == [0, 0], (describe(codes), logs[1][-3000:])
+  assert "interrupted: saving at the next step boundary" in logs[1]
+  said = [line for log in logs for line in log.splitlines() if "preempted: state saved at RL step" in line]
+  assert len(said) == 2 and said[0] == said[1], said
+  assert "KeyboardInterrupt" not in logs[0] + logs[1]
+
+  run = str(tmp_path / "twice")
+  procs = _start(run, flags, 2, 1, "twice")
+  _wait_for_rl_step(run, 1, procs)
+  procs[1].send_signal(signal.SIGINT)
+  deadline = time.monotonic() + HANG_S
+  while "interrupted: saving" not in open(f"{run}.twice.p1.log").read() and procs[1].poll() is None:
+    assert time.monotonic() < deadline, "the first SIGINT was not handled"
+    time.sleep(0.05)
+  procs[1].send_signal(signal.SIGINT)
+  codes = _wait(procs)
+  logs = [open(f"{run}.twice.p{i}.log").read() for i in range(2)]
+  if codes != [0, 0]:  # the second Ctrl-C came before the step boundary: that process ended at once
+    assert codes[1] == 1 and "KeyboardInterrupt" in logs[1], (describe(codes), logs[1][-3000:])
+    assert codes[0] != 0, (describe(codes), logs[0][-3000:])  # JAX's "another task died" ends it
+  assert "Shutdown barrier" not in logs[0] + logs[1]
+
+
 REWARD_PATH = [GRPO[0], "--model_preset=tiny", "--prompts_per_step=8", "--num_samples=4", "--max_new_tokens=6"]
 
 

@@ -328,7 +328,6 @@ class RLRun:
     # ---- failure-shape alarms over the logged records (state checkpointed with the run)
     self.alarms = Alarms(alarm_settings(cfg.logging))
     self.alarm_rollbacks = 0
-    self.reshuffled = False  # a reward-jitter alarm broke the fixed prompt order
     # ---- the compute ledger: FLOPs and device-seconds by phase, totals checkpointed with the run
     self.ledger = build_ledger(
       cfg, self.mesh, self.model_cfg, rollout_devices=(self.rollout_mesh or self.mesh).devices.size
@@ -549,6 +548,8 @@ class RLRun:
         "ledger": self.ledger.state_dict(),
         "alarms": self.alarms.state_dict(),
         "alarm_rollbacks": self.alarm_rollbacks,
+        # The batch from which a reward-jitter alarm broke the fixed prompt order (None: never).
+        "reshuffle_at": self.worker.reshuffle_at,
       },
       "buffer": {
         "next_batch_id": step if phase == "rl" else 0,
@@ -655,6 +656,9 @@ class RLRun:
     self.alarms.load_state_dict(ctl.get("alarms"))
     self.alarm_rollbacks = ctl.get("alarm_rollbacks", 0)
     self._restore_rollout_side(meta)
+    # A resumed run breaks the fixed order at the very batch the run did (async: a batch the checkpoint
+    # keeps as pending, made again after the resume, may still come before it).
+    self.worker.reshuffle_at = ctl.get("reshuffle_at")
     if meta["phase"] == "rl":
       state = self._restore_reference(state)
       if ck.rollback_to >= 0 and ck.rollback_reset_optimizer:
@@ -677,7 +681,9 @@ class RLRun:
       # Pending batches (async rollout) are regenerated; only the consumed ones are history.
       batches=[b for b in meta["buffer"]["batches"] if b.get("status", "consumed") == "consumed"],
     )
-    if self.reshuffled:  # a reward-jitter intervention stays in effect through any later rollback
+    at = self.worker.reshuffle_at
+    if at is not None:  # a reward-jitter intervention stays in effect through any later rollback: from now on
+      self.worker.reshuffle_at = min(at, meta["buffer"]["next_batch_id"])
       self.worker.reshuffle()
 
   def _restore_reference(self, state: LearnerState) -> LearnerState:
@@ -724,6 +730,14 @@ class RLRun:
 
   def request_preemption(self, *_):
     self.preempt_requested = True
+
+  def request_interrupt(self, *_):
+    """A multi-process run's first Ctrl-C on one host: a preemption, so every process saves at the same
+    step boundary (a KeyboardInterrupt in one process left the others waiting in a collective); a
+    second one interrupts at once."""
+    self.preempt_requested = True
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    print("interrupted: saving at the next step boundary (Ctrl-C again to stop at once)", flush=True)
 
   def should_stop(self) -> bool:
     """Whether every host saw SIGTERM-driven preemption (all hosts agree on the step)."""
@@ -1087,7 +1101,8 @@ class RLRun:
         done = worker.reshuffle()
     else:
       done = self.worker.reshuffle()
-    self.reshuffled = self.reshuffled or done
+    if done:
+      self.worker.reshuffle_at = first - 1  # checkpointed: a resumed run breaks the order at that batch too
     return first if done else None
 
   def _alarm_rollback(
@@ -1098,8 +1113,6 @@ class RLRun:
     the KL coefficient times ``alarm_kl_factor``; with ``critic`` (a value-loss spike) the critic's
     learning-rate scale too).  None when there is no such checkpoint."""
     lg = self.cfg.logging
-    if self.rollout is not None:
-      self.rollout.stop()  # its batches came from the policy being rolled back; restarted at the next step
     self.ckpt.wait()
     # The record of RL step s measures the policy after s - 1 updates: restore the policy from before the
     # update that the onset's record shows.
@@ -1108,7 +1121,9 @@ class RLRun:
       return None
     found = self.ckpt.restore_latest(lambda meta: self._target(state, meta), at_most=at_most)
     if found is None or found[2]["phase"] != "rl":
-      return None
+      return None  # the run goes on as it was, the producer's batches with it
+    if self.rollout is not None:
+      self.rollout.stop()  # its batches came from the policy being rolled back; restarted at the next step
     gstep, tree, meta = found
     self.ckpt.delete_after(gstep)  # the run continues from here; later steps will be redone
     self.alarm_rollbacks += 1
@@ -1158,7 +1173,10 @@ def train(cfg: Config, *, rollout_factory=None) -> dict[str, Any]:
       # Rewritten on every start, resumes included: the sandbox record is this machine's.
       directory.write_config(cfg.to_dict(), sandbox=run.sandbox, provenance=provenance())
       run.open_logger(restored)
-      previous = signal.signal(signal.SIGTERM, run.request_preemption)
+      handlers = {signal.SIGTERM: run.request_preemption}
+      if multihost.multi_process():
+        handlers[signal.SIGINT] = run.request_interrupt
+      previous = {s: signal.signal(s, handler) for s, handler in handlers.items()}
       try:
         return _train(run, restored, t_start)
       except Preempted as e:
@@ -1171,7 +1189,8 @@ def train(cfg: Config, *, rollout_factory=None) -> dict[str, Any]:
           )
         return {"preempted": True, "run_dir": run_dir}
       finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+          signal.signal(s, handler)
     finally:
       run.close()
 

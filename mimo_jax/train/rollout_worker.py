@@ -263,6 +263,9 @@ class RolloutWorker:
     self.prompt_sampler = self._prompt_sampler() if cfg.data.curriculum or cfg.data.is_mixture else None
     self.train_pool = pool if pool is not None else train_pool(task, cfg.data, cfg.run.seed)
     self.prompt_stream = None
+    # The batch id from which a fixed prompt order is shuffled every epoch (a reward-jitter alarm's
+    # intervention; None: never).  Set by the trainer; applied when that batch is made.
+    self.reshuffle_at: int | None = None
     if cfg.data.data_order != "sample":
       shuffle = cfg.data.data_order == "shuffle"
       self.prompt_stream = PromptStream(len(self.train_pool), cfg.run.seed, shuffle=shuffle)
@@ -315,6 +318,8 @@ class RolloutWorker:
       policy_version: the learner version (RL steps trained) of the sampler's current weights.
     """
     t0 = time.perf_counter()
+    if self.reshuffle_at is not None and step >= self.reshuffle_at:
+      self.reshuffle()  # no-op once shuffled
     temperature = self.temperature(step)
     problems, rollout, rewards, stats = self.rollout_batch(temperature)
     exp = self.experience(problems, rollout, rewards, batch_id=step, policy_version=policy_version)
