@@ -247,6 +247,40 @@ def _cfg(tmp_path, *extra) -> Config:
   return parse_config(["prog", f"--flagfile={path}", f"--run_dir={tmp_path}", *FAST, *extra])
 
 
+@pytest.mark.parametrize("async_rollout", [False, True], ids=["sync", "async"])
+def test_how_often_a_run_evaluates_changes_nothing_it_trains_on(tmp_path, async_rollout):
+  """Runs that differ only in ``--eval_every`` log the same RL records (evaluations aside) and end with
+  the same arrays: each evaluation drew its key from the loop's stream, so it moved every later
+  rollout's keys (the runs parted at the step after the first evaluation).  Two evaluations at one step
+  of equal weights agree too: the key is the step's."""
+  from mimo_jax.testing import kill_resume
+
+  path = os.path.join(ROOT, "experiments", "grpo_tiny.flags")
+  flags = [f"--flagfile={path}", *FAST, "--max_steps=4", f"--async_rollout={str(async_rollout).lower()}"]
+  for every in (0, 1):
+    assert main(["prog", *flags, f"--eval_every={every}", f"--run_dir={tmp_path / str(every)}"]) == 0
+  rl = {
+    every: [
+      {k: v for k, v in r.items() if not k.startswith("eval/")}
+      for r in kill_resume.load_metrics(str(tmp_path / str(every)))
+      if "reward_mean" in r
+    ]
+    for every in (0, 1)
+  }
+  assert len(rl[0]) == 4 and rl[0] == rl[1]
+  every_step = kill_resume.load_metrics(str(tmp_path / "1"))
+  assert sum("eval/greedy_accuracy" in r for r in every_step) == 5  # steps 0, 1, 2, 3 and the final one
+  ends = [kill_resume.final_arrays(str(tmp_path / str(every))) for every in (0, 1)]
+  assert ends[0].keys() == ends[1].keys()
+  for k in ends[0]:
+    np.testing.assert_array_equal(ends[0][k], ends[1][k], err_msg=k)
+  warm = [
+    {k: v for r in kill_resume.load_metrics(str(tmp_path / str(e))) if r["step"] == 0 for k, v in r.items() if "/" in k}
+    for e in (0, 1)
+  ]
+  assert warm[0] and warm[0] == warm[1]  # the warm start's evaluation: the same weights, the same key
+
+
 LEARNER_PROGRAMS = {"learn", "score_rollout", "update_from"}
 
 

@@ -183,8 +183,8 @@ class AsyncRollout:
 
   @contextlib.contextmanager
   def paused(self) -> Iterator[RolloutWorker]:
-    """The worker, lent to the caller while the producer waits (e.g. an evaluation, which draws a key
-    from the loop stream and uses the sampler).
+    """The worker, lent to the caller while the producer waits (e.g. an evaluation, which uses the
+    sampler).
 
     First waits until the producer has made every batch the published versions admit, so what the
     caller draws falls between the same two batches on every run; afterwards the record of the next

@@ -119,6 +119,10 @@ def resolve_time_split(setting: str, platform: str, devices: int) -> str:
   return "apportioned" if platform == "cpu" and devices > 1 else "measured"
 
 
+# The evaluation's key stream, apart from the loop's (``RLRun.evaluate``).
+_EVAL_STREAM = 0x4556414C
+
+
 def apportioned_score_time(record: Mapping[str, Any]) -> float:
   """The share of a step's learner time (``time_train_s``) that its counted FLOPs give the score passes
   (behaviour + reference forwards): ``--time_split=apportioned``'s ``time_score_s``."""
@@ -799,13 +803,18 @@ class RLRun:
 
   # ------------------------------------------------------------------ evaluation
 
-  def evaluate(self, params) -> dict[str, float]:
-    """Greedy accuracy, unbiased pass@k (k = 1, 8, ..., ``--eval_samples``) and maj@k on the held-out prompts."""
+  def evaluate(self, params, step: int) -> dict[str, float]:
+    """Greedy accuracy, unbiased pass@k (k = 1, 8, ..., ``--eval_samples``) and maj@k on the held-out prompts,
+    at the logged RL ``step``.
+
+    Its key is the run seed's evaluation key folded with ``step``, never a draw from the loop's stream:
+    how often a run evaluates changes nothing it trains on (drawn from the loop stream, every evaluation
+    moved every later rollout's keys)."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.run.seed), _EVAL_STREAM), step)
     if self.rollout is not None and self.rollout.running:
-      # The producer shares the loop key stream and the sampler: the draw happens while it waits.
-      with self.rollout.paused() as worker:
-        return self._evaluate(self.rollout_params(params), worker.next_key())
-    return self._evaluate(self.rollout_params(params), self.worker.next_key())
+      with self.rollout.paused():  # the producer shares the sampler
+        return self._evaluate(self.rollout_params(params), key)
+    return self._evaluate(self.rollout_params(params), key)
 
   def _evaluate(self, params, eval_key: jax.Array) -> dict[str, float]:
     cfg = self.cfg
@@ -1232,7 +1241,7 @@ def _warm_start(run: RLRun, restored: Restored | None) -> tuple[LearnerState, in
   else:
     state = restored.state if restored else run.fresh_state("sft")
     params = (run.sft(state, restored.step if restored else 0) if run.cfg.run.sft_steps else state).params
-  warm = run.evaluate(params)
+  warm = run.evaluate(params, 0)
   run.logger.log(0, {f"eval/{k}": v for k, v in warm.items()})
   return run.begin_rl(params, warm), 0, warm
 
@@ -1254,7 +1263,7 @@ def _rl_phase(run: RLRun, state: LearnerState, step: int, warm: dict[str, float]
       bar.update(step)
       continue
     if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < cfg.run.max_steps:
-      evaluation = run.evaluate(state.params)
+      evaluation = run.evaluate(state.params, step)
       record.update({f"eval/{k}": v for k, v in evaluation.items()})
       run.keep_if_best(step, state, step, evaluation, warm)
     record.update(rollbacks=run.rollbacks, skipped_total=int(state.skipped), time_checkpoint_s=0.0)
@@ -1343,7 +1352,7 @@ def _finish(
     final = {k.removeprefix("eval/"): v for k, v in pending["record"].items() if k.startswith("eval/")}
   else:
     # --max_steps=0 (a warm-start source): the final policy is the warm start, evaluated already.
-    final = dict(warm) if step == 0 else run.evaluate(state.params)
+    final = dict(warm) if step == 0 else run.evaluate(state.params, step + 1)
     record = {f"eval/{k}": v for k, v in final.items()}
     if run.global_step("rl", step) in run.ckpt.all_steps():
       # Committed already: RL step 0 by the SFT -> RL transition (--max_steps=0, a run stopped after its
