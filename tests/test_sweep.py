@@ -100,6 +100,11 @@ def test_no_rule_touches_a_flag_the_axis_sets_and_zero_stays_zero():
   adaptive = ["--kl_controller=adaptive", "--kl_coef=0.001", "--kl_coef_min=0.0008"]
   _, changes = coupling.couple(_cfg(*adaptive), _cfg(*adaptive, "--num_layers=8"), fixed={"num_layers"})
   assert {c.flag: c.after for c in changes}["kl_coef"] == 0.0008
+  # So does the adaptive entropy controller's upper bound (above it the point's config was refused, and
+  # with it the whole sweep at planning).
+  adaptive = ["--entropy_controller=adaptive", "--entropy_coef=0.04"]
+  coupled, changes = coupling.couple(_cfg(*adaptive), _cfg(*adaptive, "--num_layers=8"), fixed={"num_layers"})
+  assert {c.flag: c.after for c in changes}["entropy_coef"] == 0.05 == coupled.algo.entropy_coef_max
 
 
 # --- the gate ------------------------------------------------------------------------------------------------
@@ -303,8 +308,19 @@ def test_the_report_orders_each_axis_and_says_what_paid():
   definition = {"axes": [{"flags": ["num_layers"]}, {"flags": ["learning_rate"]}]}
   assert axis_groups(definition, rows) == [
     ("num_layers", ["num_layers=1", "base", "num_layers=4"]),
-    ("learning_rate", ["base", "learning_rate=4e-4"]),  # the base's value is not on the axis: first
+    ("learning_rate", ["base", "learning_rate=4e-4"]),  # the base's value is not recorded: first
   ]
+  # The base's value off the axis goes where it falls (first, it read as the smallest: an axis of
+  # 1 and 2 layers around a base of 4 whose accuracy rose with size was said to get worse past the base).
+  values = {"base": 4, "num_layers=1": 1, "num_layers=2": 2}
+  rows = [{"point": p, "members": [["num_layers", i]] if p != "base" else [], "values": {"num_layers": v}}
+          for i, (p, v) in enumerate(values.items())]  # fmt: skip
+  definition = {"axes": [{"flags": ["num_layers"]}]}
+  (group,) = axis_groups(definition, rows)
+  assert group == ("num_layers", ["num_layers=1", "num_layers=2", "base"])
+  finals = ([0.28, 0.30, 0.32], [0.43, 0.45, 0.47], [0.58, 0.60, 0.62])
+  stats = {p: _stats(f) for p, f in zip(group[1], finals, strict=True)}
+  assert judge_axis("num_layers", [(p, stats[p]) for p in group[1]]).startswith("num_layers: paid")
   # Three seeds per point, a spread of 0.04 (noise +/-0.02).
   paid = judge_axis(
     "size", [("s", _stats([0.30, 0.32, 0.34])), ("m", _stats([0.40, 0.42, 0.44])), ("l", _stats([0.50, 0.52, 0.54]))]

@@ -101,7 +101,10 @@ def entropy_with_model_size(base: Config, point: Config) -> dict[str, float]:
   r = model_size_ratio(base, point)
   if r == 1.0 or point.algo.entropy_coef == 0:
     return {}
-  return {"entropy_coef": point.algo.entropy_coef * r ** math.log2(1.3)}
+  coef = point.algo.entropy_coef * r ** math.log2(1.3)
+  if point.algo.entropy_controller != "fixed":  # the controller's bounds hold the coefficient it starts from
+    coef = min(coef, point.algo.entropy_coef_max)
+  return {"entropy_coef": coef}
 
 
 def lr_with_rollout_batch(base: Config, point: Config) -> dict[str, float]:

@@ -57,7 +57,8 @@ def _point_stats(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def axis_groups(definition: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
   """``[(axis name, [point names in the axis's value order])]`` from the rows' ``members``; where the
-  base's own value is not on an axis, the base comes first in it; a grid is one group."""
+  base's own value is not on an axis, the base goes where its value falls among the axis's numeric
+  values (first when they are not numbers, or the rows do not record them); a grid is one group."""
   names = ["grid"] if definition.get("grid") else [":".join(a["flags"]) for a in definition.get("axes", [])]
   groups = []
   for name in names:
@@ -67,9 +68,25 @@ def axis_groups(definition: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]
         if axis == name:
           order.setdefault(r["point"], index)
     if name != "grid" and "base" not in order and any(r["point"] == "base" for r in rows):
-      order["base"] = -1
+      values = _axis_values(name, rows, [*order, "base"])
+      if values is None:
+        order["base"] = -1
+      else:  # sorted by value (the axis lists its values in the order it was given)
+        order = {p: i for i, p in enumerate(sorted(values, key=values.get))}
     groups.append((name, sorted(order, key=order.get)))
   return groups
+
+
+def _axis_values(name: str, rows: Sequence[Mapping[str, Any]], points: Sequence[str]) -> dict[str, tuple] | None:
+  """Each point's values of the axis's flags, where every one is a number (else None)."""
+  flags, values = name.split(":"), {}
+  for r in rows:
+    if r["point"] in points and r["point"] not in values:
+      v = tuple((r.get("values") or {}).get(f) for f in flags)
+      if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+        return None
+      values[r["point"]] = v
+  return values if len(values) == len(points) else None
 
 
 def judge_axis(name: str, stats: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
@@ -231,7 +248,7 @@ def write_report(out: str) -> str:
     table.append(
       {
         "point": p,
-        "seeds done": f"{s['done']}/{s['seeds']}",
+        "seeds done": f"{s['done']}/{len(definition['seeds'])}",  # planned, whether recorded yet or not
         "gate": ", ".join(s["gates"]),
         "warm start": warm,
         "final min": s["final_min"],

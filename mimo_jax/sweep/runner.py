@@ -598,6 +598,8 @@ class Sweep:
       "point": run.point,
       "seed": run.seed,
       "axes": {f: _coerced(run.cfg, f) for f in run.axes},
+      # Every axis flag's value in this run (the base's too): orders an axis the base's value is not on.
+      "values": {f: _coerced(run.cfg, f) for axis in self.axes for f in axis.flags},
       "members": [list(m) for m in run.members],
       "coupled": [c.to_dict() for c in run.changes],
       "params_non_embedding": None if run.cfg.model.hf_checkpoint else non_embedding_params(run.cfg),
