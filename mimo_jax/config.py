@@ -302,7 +302,13 @@ class AlgoConfig:
   reward_clip_high: float = field(
     1.0, "Clip each batch's rewards at this quantile before the advantages (1: off).", gt=0.5, le=1
   )
-  reward_ema: float = field(0.0, "EMA decay of the reward statistics used to standardise rewards (0: off).", ge=0, lt=1)
+  reward_ema: float = field(
+    0.0,
+    "EMA decay of the reward statistics used to standardise rewards (0: off). With --phase_schedule each "
+    "phase's own decay replaces the value, which then only switches the EMA on.",
+    ge=0,
+    lt=1,
+  )
   overlong: str = field(
     "none", "Completions hitting the length limit: none, penalty (soft), mask.", choices=OVERLONG_MODES
   )
@@ -660,7 +666,11 @@ class CheckpointConfig:
 
   checkpoint_every: int = field(0, "Save every N steps, SFT and RL (0: only at phase ends).", ge=0)
   keep_last: int = field(3, "Newest checkpoints to keep.", ge=1)
-  keep_every: int = field(0, "Also keep every checkpoint whose step is a multiple of this (0: none).", ge=0)
+  keep_every: int = field(
+    0,
+    "Also keep every checkpoint whose step in its phase (SFT step, RL step) is a multiple of this (0: none).",
+    ge=0,
+  )
   async_save: bool = field(True, "Write checkpoints in the background while training continues.")
   resume: bool = field(True, "Resume from the run directory's latest intact checkpoint if there is one.")
   rollback_to: int = field(

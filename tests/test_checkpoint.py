@@ -280,14 +280,30 @@ def test_rollback_to_replays_identically(finished_run, tmp_path, capsys):
   assert kill_resume.compare(str(finished_run), str(run_dir)) == []
 
 
-def test_an_epoch_prompt_order_resumes_where_it_stopped(tmp_path):
+def test_keep_every_keeps_the_multiples_of_each_phases_own_step(tmp_path):
+  """--keep_every=2 with --keep_last=1: SFT steps 2, 4, 6 and RL steps 0, 2, 4, 6 (checkpoints 7, 9, 11,
+  13 after 6 SFT steps) stay.  Orbax's rule on the checkpoint step kept checkpoints 8, 10, 12 instead, RL
+  steps 1, 3, 5: beside --checkpoint_every on RL steps, at the usual settings no RL checkpoint at all."""
+  flags = [*SMALL, "--eval_every=0", "--keep_last=1", "--keep_every=2"]
+  assert main(["prog", *flags, f"--run_dir={tmp_path}"]) == 0
+  ckpt = Checkpointer(str(tmp_path / "checkpoints"), read_only=True)
+  assert ckpt.all_steps() == [2, 4, 6, 7, 9, 11, 13]
+  assert [ckpt.read_meta(s)["step"] for s in (7, 9, 11, 13)] == [0, 2, 4, 6]
+  ckpt.close()
+
+
+def test_an_epoch_prompt_order_resumes_where_it_stopped(tmp_path, capsys):
   """--data_order=shuffle over 12 prompts, 8 a step: 6 steps are 4 epochs, the stop at step 3 falls mid-epoch.
-  Stopped and resumed, the run draws the same prompts in the same order as the uninterrupted one."""
+  Stopped and resumed, the run draws the same prompts in the same order as the uninterrupted one.  The
+  resume without --stop_at_step is the same configuration (it warned that the configuration differed)."""
   flags = [*SMALL, "--eval_every=0", "--data_order=shuffle", "--train_prompts=12", "--log_samples=16"]
   whole, parts = tmp_path / "whole", tmp_path / "parts"
   assert main(["prog", *flags, f"--run_dir={whole}"]) == 0
   assert main(["prog", *flags, f"--run_dir={parts}", "--stop_at_step=3"]) == 0
+  capsys.readouterr()
   assert main(["prog", *flags, f"--run_dir={parts}"]) == 0
+  out = capsys.readouterr().out
+  assert "resumed from rl step 3" in out and "configuration that differs" not in out
   assert kill_resume.compare(str(whole), str(parts)) == []
   # Every row of every step is in the replay (top 16 + bottom 16 of 32): the prompt of each group in order.
   groups = {}

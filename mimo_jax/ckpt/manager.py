@@ -18,6 +18,7 @@ then falls back to the previous step and says so.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import math
@@ -276,20 +277,43 @@ def fingerprint(tree: Any) -> dict[str, int]:
   return {name: int(v) for name, v in zip(names, sums, strict=True)}
 
 
+@dataclasses.dataclass(frozen=True)
+class _EveryPhaseStep:
+  """Orbax preservation policy: keeps the checkpoints whose phase step (SFT step, or RL step counted from
+  checkpoint ``rl_start``) is a multiple of ``every`` (on the checkpoint step, RL step k of a run of S SFT
+  steps is kept when ``S + 1 + k`` is a multiple: at the usual settings never, beside ``--checkpoint_every``)."""
+
+  every: int
+  rl_start: int
+
+  def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
+    del context
+    return [(c.step - self.rl_start if c.step >= self.rl_start else c.step) % self.every == 0 for c in checkpoints]
+
+
 class Checkpointer:
   """Saves and restores ``(state pytree, metadata dict)`` pairs by step.
 
   Args:
     directory: where step directories live.
     keep_last: how many of the newest checkpoints to keep.
-    keep_every: also keep every step divisible by this (0: none).
+    keep_every: also keep every checkpoint whose phase's step is divisible by this (0: none).
+    rl_start: the checkpoint step of RL step 0 (``sft_steps + 1``): a checkpoint's phase step is its
+      step below it (SFT), its step minus it from it (RL).
     async_save: let saves run in the background (``wait`` before relying on them).
     read_only: open for reading only: nothing is created, saved or deleted (partial saves
       are left alone; they may belong to a live trainer).
   """
 
   def __init__(
-    self, directory: str, *, keep_last: int = 3, keep_every: int = 0, async_save: bool = True, read_only: bool = False
+    self,
+    directory: str,
+    *,
+    keep_last: int = 3,
+    keep_every: int = 0,
+    rl_start: int = 0,
+    async_save: bool = True,
+    read_only: bool = False,
   ):
     self.directory = os.path.abspath(directory)
     self.read_only = read_only
@@ -305,9 +329,11 @@ class Checkpointer:
         os.makedirs(self.directory, exist_ok=True)
         self._remove_partial_saves()
       multihost.barrier(f"mimo_jax_checkpointer_open:{self.directory}")
+      policies = [ocp.checkpoint_managers.LatestN(n=keep_last)]
+      if keep_every:
+        policies.append(_EveryPhaseStep(keep_every, rl_start))
       options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep_last,
-        keep_period=keep_every or None,
+        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
         create=True,
         enable_async_checkpointing=async_save,
       )

@@ -339,7 +339,12 @@ class RLRun:
 
     # ---- checkpoints, logs, host-side bookkeeping
     ck = cfg.checkpoint
-    self.ckpt = self.dir.checkpointer(keep_last=ck.keep_last, keep_every=ck.keep_every, async_save=ck.async_save)
+    self.ckpt = self.dir.checkpointer(
+      keep_last=ck.keep_last,
+      keep_every=ck.keep_every,
+      rl_start=self.global_step("rl", 0),
+      async_save=ck.async_save,
+    )
     self.ref_ckpt = self.dir.reference_checkpointer()
     self.logger: MetricsLogger | None = None
     self.bad_steps = 0
@@ -538,7 +543,7 @@ class RLRun:
       "log_step": log_step,
       "optimizer_layout": OPTIMIZER_LAYOUT,
       "created_unix": time.time(),
-      "config_digest": digest(self.cfg.to_dict()),
+      "config_digest": self._config_digest(),
       "model_config": json.loads(json.dumps(dataclasses.asdict(self.model_cfg))),
       "data_rng": rollout["data_rng"],
       "controllers": {
@@ -565,6 +570,14 @@ class RLRun:
         "pending": pending,
       },
     }
+
+  def _config_digest(self) -> str:
+    """The digest of the settings a resume warns about when they changed: all but ``--stop_at_step``, which
+    only says where this command stops (the sweep's gate stops every point's run with it, then goes on
+    without it: each resume warned of a changed configuration)."""
+    settings = self.cfg.to_dict()
+    settings["run"] = {k: v for k, v in settings["run"].items() if k != "stop_at_step"}
+    return digest(settings)
 
   def _pending_record(self, batch_id: int) -> dict[str, Any]:
     return {
@@ -649,7 +662,7 @@ class RLRun:
           f"{[s - self.cfg.run.sft_steps - 1 for s in self.ckpt.all_steps() if s > self.cfg.run.sft_steps]})"
         )
       self.ckpt.delete_after(gstep)
-    if meta["config_digest"] != digest(self.cfg.to_dict()):
+    if meta["config_digest"] != self._config_digest():
       print("warning: resuming with a configuration that differs from the checkpoint's", flush=True)
     state = self._from_tree(templates[meta["phase"]], tree)
     ctl = meta.get("controllers", {})
