@@ -432,6 +432,18 @@ def test_dry_run_of_ppo_counts_the_critic_and_writes_dry_run_json(tmp_path):
   on_disk = json.loads((tmp_path / "ppo_tiny" / "dry_run.json").read_text())
   assert on_disk["per_device_bytes"] == ppo["per_device_bytes"] and set(on_disk["compiled"]) == {"learn", "generate"}
   assert on_disk["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1} and on_disk["platform"] == "cpu"
+  # Generation on the learner's devices has the learner's state beside its arguments (the weights): the
+  # optimizer, the reference and the critic count in its peak (they were left out of it).
+  gen, storage = ppo["compiled"]["generate"], ppo["per_device_bytes"]
+  beside = storage["optimizer_state"] + storage["reference_params"] + storage["value_params"]
+  beside += storage["master"] + storage["value_master"] + storage["value_optimizer_state"]
+  assert gen["resident_gib"] * 1024**3 == pytest.approx(beside) and beside > 0
+  assert ppo["peak_estimate_gib"] >= max(gen["estimate_gib"], gen.get("peak_gib", 0.0)) + gen["resident_gib"]
+  # With --async_rollout the two programs run at once: generation's peak sits on top of learn's.
+  flagfile = os.path.join(ROOT, "experiments", "ppo_tiny.flags")
+  both = dry_run(parse_config(["prog", f"--flagfile={flagfile}", "--dry_run", "--async_rollout"]), write=False)
+  learn = both["compiled"]["learn"]
+  assert both["compiled"]["generate"]["resident_gib"] == max(learn["estimate_gib"], learn.get("peak_gib", 0.0))
   # The vocabulary the run would use: the task's tokenizer.
   from mimo_jax.tasks.registry import build_task
 

@@ -322,10 +322,26 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
   # Each program's live bytes count its arguments (the whole learner state for learn) and its
   # temporaries (the KV cache for generate): the step's peak is the larger of the two programs.
   # The CPU compiler's peak_memory_in_bytes counts little more than the arguments, so the larger
-  # of it and arguments + unaliased outputs + temporaries is reported.
-  report["peak_estimate_gib"] = max(
-    max(m.get("peak_gib", 0.0), m.get("estimate_gib", 0.0)) for m in report["compiled"].values()
-  )
+  # of it and arguments + unaliased outputs + temporaries is reported.  Generation on the learner's
+  # devices also has the learner's state beside it, which is not among its arguments (the optimizer's,
+  # the reference's, the critic's), and with --async_rollout the learn program itself, running at once.
+  if rollout_mesh is None:
+    gen = report["compiled"]["generate"]
+    if cfg.rollout.async_rollout:
+      gen["resident_gib"] = _program_peak(report["compiled"]["learn"])
+      gen["resident"] = "the learn program, running at the same time (--async_rollout)"
+    else:
+      beside = (
+        "master",
+        "optimizer_state",
+        "reference_params",
+        "value_params",
+        "value_master",
+        "value_optimizer_state",
+      )
+      gen["resident_gib"] = sum(storage[k] for k in beside) / GiB
+      gen["resident"] = "the learner's state beside the weights (optimizer, master copy, reference, critic)"
+  report["peak_estimate_gib"] = max(_program_peak(m) for m in report["compiled"].values())
   if topo is not None:
     report["fit"] = _fit(cfg, topo, report, mesh)
   report["total_s"] = time.perf_counter() - t0
@@ -345,6 +361,12 @@ def dry_run(cfg: Config, *, vocab_size: int | None = None, write: bool = True) -
   if topo is not None and not report["fit"]["fits"]:
     raise ConfigError(report["fit"]["message"])
   return report
+
+
+def _program_peak(m: dict[str, Any]) -> float:
+  """A program's live bytes per device (GiB): the larger of the compiler's peak and arguments + unaliased
+  outputs + temporaries, plus what stays resident beside it (``resident_gib``)."""
+  return max(m.get("peak_gib", 0.0), m.get("estimate_gib", 0.0)) + m.get("resident_gib", 0.0)
 
 
 def _compiler_refusal(message: str) -> dict[str, Any]:
@@ -381,7 +403,7 @@ def _fit(cfg: Config, topo: Topology, report: dict[str, Any], mesh: Mesh | None 
   change and by how much (the larger program decides: the learner step or generation).  A larger
   ``--grad_accum`` that would stop the learner running each prompt once (on ``mesh``) says so."""
   budget = topo.device_gib * (1.0 - cfg.run.dry_run_headroom)
-  peaks = {name: max(m.get("peak_gib", 0.0), m.get("estimate_gib", 0.0)) for name, m in report["compiled"].items()}
+  peaks = {name: _program_peak(m) for name, m in report["compiled"].items()}
   worst = max(peaks, key=peaks.get)
   need = peaks[worst]
   out = {
