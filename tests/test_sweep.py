@@ -184,6 +184,20 @@ def test_points_one_axis_at_a_time_or_as_a_grid(tmp_path):
   assert f"--learning_rate={bigger.cfg.optim.learning_rate:.4g}" in bigger.argv
 
 
+def test_planning_leaves_the_accelerators_to_the_trainers(tmp_path):
+  """The sweep's own process plans its runs for the host's device count without starting a JAX backend
+  (started there, it kept a GPU's preallocated memory or a TPU's chips under every trainer it ran)."""
+  code = (
+    "import sys; from mimo_jax.sweep.runner import Sweep, parse_axis; from jax._src import xla_bridge\n"
+    f"runs = Sweep(base={BASE!r}, axes=[parse_axis('num_layers=1')], out={str(tmp_path)!r}).plan()\n"
+    "print(len(runs), sorted(xla_bridge._backends))"
+  )
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split("\n")[-2] == "2 []"
+
+
 def test_the_runs_of_a_seed_with_one_warm_start_share_it(tmp_path, capsys):
   """An RL axis shares its seed's warm start; a model-size point trains its own (alone in its group)."""
   from mimo_jax.sweep.__main__ import main

@@ -162,6 +162,18 @@ def _coerced(cfg: Config, flag: str) -> Any:
   raise KeyError(flag)
 
 
+def _device_count() -> int:
+  """The devices a trainer this sweep starts sees, counted in a process of its own, as the trainers run:
+  counted in the sweep's process, JAX's backend would start there and keep the accelerators for the
+  whole sweep (a GPU's memory preallocated, a TPU's chips held) under every trainer it starts."""
+  code = "import jax; print(jax.device_count())"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+  last = (out.stdout.strip().splitlines() or [""])[-1]
+  if out.returncode != 0 or not last.isdigit():
+    raise ConfigError(f"could not count this host's devices: {(out.stderr or out.stdout).strip()[-500:]}")
+  return int(last)
+
+
 class Sweep:
   """A sweep's definition, its plan, and its execution.
 
@@ -323,9 +335,7 @@ class Sweep:
 
   def _validate(self, cfg: Config) -> None:
     if self.num_devices is None:
-      import jax
-
-      self.num_devices = jax.device_count()
+      self.num_devices = _device_count()
     validate(cfg, self.num_devices)
 
   def definition(self) -> dict[str, Any]:
