@@ -217,6 +217,45 @@ def test_a_run_resumed_past_a_truncated_checkpoint_sets_it_aside_and_ends_as_the
   assert [r["step"] for r in _metrics(run_dir)] == [r["step"] for r in _metrics(finished_run)]
 
 
+def test_after_a_failed_read_only_orbaxs_leftover_reads_are_kept_quiet(monkeypatch):
+  """Orbax's reads left behind by a failed restore print an "Exception ignored" traceback each when
+  collected, and TensorStore's callbacks into the closed loop print "Event loop is closed" through
+  ``sys.excepthook``: after a failed read those two, and only those, are dropped."""
+  import types
+
+  from mimo_jax.ckpt import manager
+
+  seen = []
+  monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(("unraisable", u.object)))
+  monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(("except", str(value))))
+  manager._quiet_failed_reads.cache_clear()
+  manager._unreadable(3, RuntimeError("a read failed. See full TensorStore details: {...}"))
+
+  def coroutine(filename):
+    namespace = {}
+    exec(compile("async def read():\n  pass\n", filename, "exec"), namespace)
+    return namespace["read"]()
+
+  orbax, ours = coroutine(f"{os.sep}site{os.sep}orbax{os.sep}serialization.py"), coroutine("mimo.py")
+  for c in (orbax, ours):
+    sys.unraisablehook(types.SimpleNamespace(object=c))
+    c.close()
+
+  def raised(error, frame_file):
+    code = compile("raise error\n", frame_file, "exec")
+    try:
+      exec(code, {"error": error})
+    except RuntimeError as e:
+      return e.__traceback__.tb_next  # the frame of frame_file
+
+  closed = os.path.join("lib", "asyncio", "base_events.py")
+  for error, where in ((RuntimeError("Event loop is closed"), closed), (RuntimeError("Event loop is closed"), "x.py")):
+    sys.excepthook(RuntimeError, error, raised(error, where))
+  sys.excepthook(RuntimeError, RuntimeError("other"), raised(RuntimeError("other"), closed))
+  assert seen == [("unraisable", ours), ("except", "Event loop is closed"), ("except", "other")]
+  manager._quiet_failed_reads.cache_clear()
+
+
 # A run written by the release before the guarded optimizer (checkpoint metadata version 1: each
 # optimizer state the bare optax chain's, the skip counter beside it): PPO with a critic, these flags,
 # checkpoints every 3 steps; kept are RL step 3 (checkpoint 10), the reference and the run's own
