@@ -59,7 +59,8 @@ def _quiet_failed_reads() -> None:
   closed" through ``sys.excepthook``), and their coroutines, collected whenever the garbage collector
   runs, print one "Exception ignored" traceback each, with a page of TensorStore spec: dozens, in the
   middle of the resumed run's output, for a failure already reported in one line.  From the first
-  failed read on, this process leaves those two kinds out (every other exception prints as before)."""
+  restore on (some are collected before the failure reaches its handler), this process leaves those two
+  kinds out (every other exception prints as before)."""
   unraisable, excepthook = sys.unraisablehook, sys.excepthook
 
   def quiet_unraisable(u):
@@ -394,6 +395,7 @@ class Checkpointer:
       CheckpointCorrupted: unreadable files, invalid metadata or a fingerprint mismatch.
     """
     error = None
+    _quiet_failed_reads()
     try:
       restored = self._mgr.restore(
         step,
@@ -426,6 +428,7 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 - unreadable or invalid metadata means this step is unusable
       raise CheckpointCorrupted(f"checkpoint {step}: metadata could not be read: {type(e).__name__}: {e}") from e
     path = os.path.join(self.directory, str(step), "state")
+    _quiet_failed_reads()
     try:
       restored = ocp.PyTreeCheckpointer().restore(
         path,
