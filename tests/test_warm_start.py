@@ -46,7 +46,7 @@ def trained_source(tmp_path_factory):
   evaluated = []
   with pytest.MonkeyPatch.context() as mp:
     real = RLRun.evaluate
-    mp.setattr(RLRun, "evaluate", lambda self, params: evaluated.append(1) or real(self, params))
+    mp.setattr(RLRun, "evaluate", lambda self, params, step: evaluated.append(1) or real(self, params, step))
     assert main(["prog", *SMALL, "--max_steps=0", f"--run_dir={run_dir}"]) == 0
   return run_dir, len(evaluated)
 
