@@ -824,10 +824,9 @@ class RLRun:
     how often a run evaluates changes nothing it trains on (drawn from the loop stream, every evaluation
     moved every later rollout's keys)."""
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.run.seed), _EVAL_STREAM), step)
-    if self.rollout is not None and self.rollout.running:
-      with self.rollout.paused():  # the producer shares the sampler
-        return self._evaluate(self.rollout_params(params), key)
-    return self._evaluate(self.rollout_params(params), key)
+    producer = self.rollout is not None and self.rollout.running
+    with self.rollout.paused() if producer else contextlib.nullcontext():  # the producer shares the sampler
+      return self._evaluate(self.rollout_params(params), key)
 
   def _evaluate(self, params, eval_key: jax.Array) -> dict[str, float]:
     cfg = self.cfg
