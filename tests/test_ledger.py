@@ -121,7 +121,10 @@ def test_a_shared_prompt_is_counted_once_per_group():
   )
   value = fc.score(prompts, completions, head="value", group=3)
   assert value < fc.score(prompts, completions, head="value")
-  assert critic["flops_learn"] == 3 * fc.score(prompts, completions, group=3) + value + 3 * 2 * value
+  assert (
+    critic["flops_value"] == value
+    and critic["flops_learn"] == 3 * fc.score(prompts, completions, group=3) + 3 * 2 * value
+  )
 
 
 def test_a_step_adds_up_the_phases_and_the_totals_survive_a_checkpoint():
@@ -137,15 +140,18 @@ def test_a_step_adds_up_the_phases_and_the_totals_survive_a_checkpoint():
   update = fc.update(p, c, remat="full", fused_head=True)
   # 4 forwards (the fused head's 4th: its recomputed logits), less the 15 tokens' MLP down-projections
   assert update == 4 * score - 15 * 2 * 2 * 64 * 128
-  assert m["flops_learn"] == 2 * update + value + 3 * fc.update(p, c, head="value", remat="full")
-  assert m["flops_step"] == m["flops_generate"] + 2 * score + m["flops_learn"]
+  # The critic's forward is its own phase (it runs in the score program); its passes are in the learn phase.
+  assert m["flops_value"] == value and m["flops_learn"] == 2 * update + 3 * fc.update(p, c, head="value", remat="full")
+  assert m["flops_step"] == m["flops_generate"] + 2 * score + value + m["flops_learn"]
   assert (m["device_s_generate"], m["device_s_train"], m["device_s_total"]) == (3.0, 12.0, 15.0)
   assert (m["samples_total"], m["tokens_total"]) == (2, 15)
   saved = ledger.state_dict()
   m2 = ledger.step(p, c, trained=False, time_generate_s=0.5, time_train_s=0.5)
   plain = Ledger(fc, use_reference=False, use_value=False, **kw)
-  assert m2["flops_learn"] == value  # value warm-up: the policy is not updated, the critic's forward runs
+  # value warm-up (no critic pass asked for here): the policy is not updated, the critic's forward runs
+  assert m2["flops_learn"] == 0 and m2["flops_value"] == value
   assert plain.step(p, c)["flops_learn"] == 3 * 2 * score and plain.step(p, c)["flops_reference"] == 0
+  assert plain.step(p, c)["flops_value"] == 0
   resumed = Ledger(fc, use_reference=True, use_value=True, remat="full", fused_head=True, **kw)
   resumed.load_state_dict(saved)
   assert resumed.step(p, c, trained=False, time_generate_s=0.5, time_train_s=0.5) == m2

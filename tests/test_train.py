@@ -376,8 +376,11 @@ def test_end_to_end_run_writes_the_run_directory(tmp_path, capsys):
   assert summary["seed"] == 0 and summary["rl_steps"] == 3 and summary["final_checkpoint_s"] > 0
   # The compute ledger: per-step phases add up, the totals accumulate, and the summary holds them.
   assert all(
-    r["flops_step"] == r["flops_generate"] + r["flops_score"] + r["flops_reference"] + r["flops_learn"] for r in rl
+    r["flops_step"]
+    == r["flops_generate"] + r["flops_score"] + r["flops_reference"] + r["flops_value"] + r["flops_learn"]
+    for r in rl
   )
+  assert all(r["flops_value"] == 0 for r in rl)  # no critic
   assert [r["flops_total"] for r in rl] == list(itertools.accumulate(r["flops_step"] for r in rl))
   assert [r["samples_total"] for r in rl] == [32, 64, 96] and all(r["flops_reference"] > 0 for r in rl)
   assert summary["compute"]["flops_total"] == rl[-1]["flops_total"] and summary["compute"]["samples_total"] == 96
@@ -908,6 +911,24 @@ def test_time_split_auto_measures_except_on_several_cpu_devices():
   assert resolve_time_split("auto", "gpu", 8) == "measured" == resolve_time_split("auto", "tpu", 256)
   assert resolve_time_split("measured", "cpu", 8) == "measured"
   assert resolve_time_split("apportioned", "gpu", 1) == "apportioned"
+
+
+def test_the_apportioned_score_time_counts_the_critics_forward():
+  """The score program runs the critic's forward beside the behaviour and reference passes, so the
+  apportioned ``time_score_s`` counts its FLOPs on the score side, as the measured split times it."""
+  from mimo_jax.train.ledger import FlopCounter, Ledger
+  from mimo_jax.train.loop import apportioned_score_time
+
+  fc = FlopCounter.of(tiny())
+  kw = dict(use_reference=True, epochs=1, rollout_devices=1, learner_devices=1)
+  p, c = [4, 6], [2, 3]
+  score, value = fc.score(p, c), fc.score(p, c, head="value")
+  update, value_update = fc.update(p, c), fc.update(p, c, head="value")
+  ppo = {**Ledger(fc, use_value=True, **kw).step(p, c, value_passes=2), "time_train_s": 6.0}
+  scored = 2 * score + value
+  assert apportioned_score_time(ppo) == pytest.approx(6.0 * scored / (scored + update + 2 * value_update))
+  grpo = {**Ledger(fc, use_value=False, **kw).step(p, c), "time_train_s": 6.0}
+  assert apportioned_score_time(grpo) == pytest.approx(6.0 * 2 * score / (2 * score + update))
 
 
 _TWO_PROGRAMS = """

@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     counts = build_ledger(cfg, mesh, model_cfg).step(
       np.asarray(exp.prompt_mask).sum(axis=1), np.asarray(exp.completion_mask).sum(axis=1)
     )
-    flops = counts["flops_score"] + counts["flops_reference"] + counts["flops_learn"]
+    flops = counts["flops_step"] - counts["flops_generate"]  # the learn program's: score, reference, critic, update
     tflops = flops / step_s / mesh.devices.size / 1e12
     device_peak = peak()
     record = dict(

@@ -211,11 +211,13 @@ class Ledger:
       prompt_len, completion_len, group=self.update_group, remat=self.remat, fused_head=self.fused_head
     )
     learn = self.epochs * policy if trained else 0
+    value = 0
     if self.use_value:
       # The critic's passes share prompts as the policy's do: its forward as the score pass, its updates as the update.
       value = pc.score(prompt_len, completion_len, head="value", group=self.score_group)
       value_update = pc.update(prompt_len, completion_len, head="value", group=self.update_group, remat=self.remat)
-      learn += value + value_passes * value_update
+      learn += value_passes * value_update
+    out["flops_value"] = float(value)
     out["flops_learn"] = float(learn)
     out["flops_step"] = sum(out.values())
     out["device_s_generate"] = time_generate_s * self.rollout_devices

@@ -124,9 +124,10 @@ _EVAL_STREAM = 0x4556414C
 
 
 def apportioned_score_time(record: Mapping[str, Any]) -> float:
-  """The share of a step's learner time (``time_train_s``) that its counted FLOPs give the score passes
-  (behaviour + reference forwards): ``--time_split=apportioned``'s ``time_score_s``."""
-  scored = record["flops_score"] + record["flops_reference"]
+  """The share of a step's learner time (``time_train_s``) that its counted FLOPs give the score pass
+  (behaviour, reference and critic forwards, as in ``Learner.score``): ``--time_split=apportioned``'s
+  ``time_score_s``."""
+  scored = record["flops_score"] + record["flops_reference"] + record["flops_value"]
   return record["time_train_s"] * scored / max(scored + record["flops_learn"], 1.0)
 
 

@@ -98,7 +98,7 @@ METRICS: tuple[tuple[str, str], ...] = (
   ("return_mean", "GAE return, mean"),
   (
     "flops_*",
-    "compute ledger (matmul FLOPs from the shape and the real token counts): this step's `flops_generate`, `flops_score`, `flops_reference`, `flops_learn`, `flops_step`; `flops_total` the run's so far",
+    "compute ledger (matmul FLOPs from the shape and the real token counts): this step's `flops_generate`, `flops_score` (behaviour log-probs), `flops_reference`, `flops_value` (the critic's forward), `flops_learn` (policy and critic updates), `flops_step`; `flops_total` the run's so far",
   ),
   (
     "device_s_*",
