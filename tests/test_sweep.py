@@ -407,7 +407,10 @@ def test_a_sweep_gates_records_and_continues_after_a_kill(tmp_path):
   assert _trainers_of(base_dir) == []
   assert max(_rl_steps(base_dir)) < 6 and read_results(out) == []
   state = json.load(open(os.path.join(out, "state", "base-seed0.json")))
-  assert state["gate"]["verdict"] == "pass"
+  assert state["gate"]["verdict"] == "pass" and state["attempts"] == 1  # the gate's
+  # The killed attempt's start is on the record; its time runs to the trainer's last output.
+  lost = os.path.getmtime(os.path.join(out, "logs", "base-seed0.log")) - state["attempt_started"]
+  assert lost > 0
 
   done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
   assert done.returncode == 0, done.stdout + done.stderr
@@ -422,6 +425,8 @@ def test_a_sweep_gates_records_and_continues_after_a_kill(tmp_path):
   assert base["final"] == summary["final"] and base["flops_total"] == summary["compute"]["flops_total"] > 0
   assert base["best"]["greedy_accuracy"] >= base["final"]["greedy_accuracy"]
   assert base["command"][:3] == ["python", "-m", "mimo_jax.main"] and "--seed=0" in base["command"]
+  # Three attempts (the gate, the killed one, the resumed one), the killed one's time counted.
+  assert base["attempts"] == 3 and base["wall_time_s"] > state["wall_s"] + lost - 0.1
   nan = rows["debug_nan_steps=1-seed0"]
   assert nan["status"] == "gate_failed" and nan["gate"]["verdict"] == "nan" and nan["final"] == {}
   assert "non-finite" in nan["gate"]["detail"]

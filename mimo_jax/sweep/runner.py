@@ -548,12 +548,31 @@ class Sweep:
       flags.append(f"--warm_start_from={self._warm_sources[run.name]}")
     if stop_at:
       flags.append(f"--stop_at_step={stop_at}")
+    self._settle_lost_attempt(run, state)
+    # On the record before the trainer starts: a sweep killed outright (no chance to save) still has the
+    # attempt's start, and the next sweep counts its time up to the trainer's last output.
+    state["attempt_started"] = time.time()
+    self._save_state(run, state)
     t0 = time.perf_counter()
     rc = self._spawn(flags, self.log_path(run))
+    del state["attempt_started"]
     state["wall_s"] = state.get("wall_s", 0.0) + time.perf_counter() - t0
     state["attempts"] = state.get("attempts", 0) + 1
     self._save_state(run, state)
     return rc
+
+  def _settle_lost_attempt(self, run: PlannedRun, state: dict[str, Any]) -> None:
+    """Counts an attempt whose sweep was killed while it ran (``attempt_started`` left on the record):
+    its time runs to the log's last write, the trainer's last output."""
+    started = state.pop("attempt_started", None)
+    if not isinstance(started, (int, float)):
+      return
+    try:
+      ended = os.path.getmtime(self.log_path(run))
+    except OSError:
+      ended = started
+    state["wall_s"] = state.get("wall_s", 0.0) + max(ended - started, 0.0)
+    state["attempts"] = state.get("attempts", 0) + 1
 
   def _spawn(self, flags: Sequence[str], log_path: str) -> int:
     """Runs the trainer with ``flags`` as the sweep's child, its output appended to ``log_path``; returns
