@@ -70,6 +70,9 @@ def test_gold_answers_of_every_shipped_row(name: str, count: int) -> None:
     ("Final Answer: -7 apples", "-7 apples", "phrase"),
     ("Answer: 1\nAnswer: 2", "2", "phrase"),
     ("**Final Answer**: 72", "72", "phrase"),  # Markdown bold closed before the colon
+    # A phrase inside the phrase: the inner one's answer.
+    ("Final Answer: The final answer is $18$. I hope it is correct.", "$18$", "phrase"),
+    ("The final answer is: the answer is 18", "18", "phrase"),
     # Explicit markers beat prose, wherever the prose is.
     ("#### 9\nThe answer is 10.", "9", "hash"),
     ("The answer is \\boxed{11}.", "11", "boxed"),
@@ -241,6 +244,14 @@ def test_answers_match(pred: str, gold: str) -> None:
     ("yes", "no"),
     ("1 2", "12"),  # whitespace between digits separates two numbers
     ("7 2", "72"),
+    ("2 9", "18"),  # ... and is no product (implicit multiplication in the symbolic check)
+    ("3 (6)", "18"),
+    ("12 18", "216"),
+    ("18 thousand", "18"),  # a word that scales the number is no unit
+    ("2 dozen", "2"),
+    ("5 squared", "5"),
+    ("3 million dollars", "3"),
+    ("5 degrees below zero", "5"),
   ],
 )
 def test_answers_do_not_match(pred: str, gold: str) -> None:

@@ -122,6 +122,9 @@ def _last_phrase_answer(text: str) -> str | None:
   answers = []
   for m in _PHRASE_RE.finditer(text):
     candidate = m.group(1)
+    # "Final Answer: The final answer is $18$." holds a phrase inside the phrase: the innermost one's.
+    while (inner := _PHRASE_RE.search(candidate)) is not None:
+      candidate = inner.group(1)
     end = _SENTENCE_END_RE.search(candidate)
     if end is not None:
       candidate = candidate[: end.start()]
@@ -219,7 +222,13 @@ _NUMBER_FORMS = (
 _UNIT_POWER_RE = re.compile(r"(?<=[^\W\d_])\s*(?:\^\s*\{?\s*[23]\s*\}?|[²³])")
 _UNIT_PUNCTUATION = frozenset("°.'/-()")
 # Words that turn "5 <words>" into something other than a quantity of 5 units.
-_CONNECTIVES = frozenset({"or", "and", "to", "plus", "minus", "times", "divided", "over", "between", "not"})
+_CONNECTIVES = frozenset(
+  {"or", "and", "to", "plus", "minus", "times", "divided", "over", "between", "not", "below", "less", "more", "than"}
+)
+# Words that scale the number before them ("18 thousand" is not 18 of a unit called thousand).
+_MULTIPLIERS = frozenset(
+  {"hundred", "thousand", "million", "billion", "trillion", "dozen", "squared", "cubed", "half", "k", "bn"}
+)
 
 
 def _clean(s: str) -> str:
@@ -260,8 +269,8 @@ def _is_unit_suffix(rest: str) -> bool:
     return False
   if any(not (c.isalpha() or c.isspace() or c in _UNIT_PUNCTUATION) for c in rest):
     return False
-  words = set(re.findall(r"[^\W\d_]+", rest.casefold()))
-  return not words & _CONNECTIVES
+  words = {w.removesuffix("s") for w in re.findall(r"[^\W\d_]+", rest.casefold())}
+  return not words & (_CONNECTIVES | _MULTIPLIERS)
 
 
 def _to_fraction(s: str) -> fractions.Fraction:
@@ -405,6 +414,10 @@ def _to_sympy_source(s: str) -> str | None:
   """
   s = _clean(s).rstrip(".").strip()
   if not s or len(s) > _MAX_SYMPY_CHARS:
+    return None
+  # Numbers or brackets apart by whitespace ("2 9", "3 (6)") are two things, not a product that implicit
+  # multiplication would make of them (18).
+  if re.search(r"[\d)]\s+[\d.(]", s):
     return None
   s = _replace_command(s, "frac", 2, "(({0})/({1}))")
   if s is None:
