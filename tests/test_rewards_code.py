@@ -261,7 +261,8 @@ def test_values_cross_as_exact_plain_types() -> None:
     "P = collections.namedtuple('P', 'x y')\n"
     "def f(arg, *, scale=1):\n"
     "    return {'tuple': (1, 2.5, None, True), 'list': [b'\\x00x', {1, 2}, frozenset({3})], 3: complex(1, -2),\n"
-    "            'inf': float('inf'), 'big': 10 ** 100 * scale, 'arg': arg, 'named': P(1, 2), 'false': False}\n"
+    "            'inf': float('inf'), 'big': 10 ** 100 * scale, 'arg': arg, 'named': P(1, 2), 'false': False,\n"
+    "            'huge': -(2 ** 20000) * scale}\n"
   )
   tests = (
     "def check(candidate):\n"
@@ -274,6 +275,8 @@ def test_values_cross_as_exact_plain_types() -> None:
     "    assert r['arg'] == [(1, 'a'), {'k': {2, 3}}]\n"
     "    assert r['named'] == (1, 2) and type(r['named']) is tuple\n"
     "    assert r['false'] is False\n"
+    "    assert r['huge'] == -(2 ** 20001)\n"  # past the 4300 digits int() reads from decimal text
+    "    assert candidate(2 ** 20000)['arg'] == 2 ** 20000\n"
   )
   verdict = unit_test_result(program, tests, "f")
   assert verdict.passed, verdict.detail

@@ -585,9 +585,18 @@ def test_shared_memory_cannot_escape_the_memory_limit(mode: str | None) -> None:
     "  if libc.syscall(240 if os.uname().machine == 'x86_64' else 180, b'/hoard', 0o100 | 2, 0o600, None) < 0:\n"
     "    raise OSError(ctypes.get_errno(), 'mq_open')\n"
     "attempt('mq_open', mqueue)\n"
+    "def sem():\n"  # SysV semaphore arrays and message queues: kernel memory, as shared memory is
+    "  if libc.semget(0, 32000, 0o1600) < 0:\n"
+    "    raise OSError(ctypes.get_errno(), 'semget')\n"
+    "attempt('semget', sem)\n"
+    "def msg():\n"
+    "  if libc.msgget(0, 0o1600) < 0:\n"
+    "    raise OSError(ctypes.get_errno(), 'msgget')\n"
+    "attempt('msgget', msg)\n"
   )
   outcomes = _outcomes(_run(code, mode))
-  assert outcomes == {"memfd": "EPERM", "shmget": "EPERM", "mq_open": "EPERM"}, outcomes
+  expected = {"memfd": "EPERM", "shmget": "EPERM", "mq_open": "EPERM", "semget": "EPERM", "msgget": "EPERM"}
+  assert outcomes == expected, outcomes
 
 
 def test_dev_shm_is_absent_and_the_working_tmpfs_is_bounded() -> None:

@@ -147,8 +147,8 @@ def _encode(v, depth=0):
   t = type(v)
   if v is None or t is bool or t is str:
     return v
-  if t is int:
-    return {"i": str(v)}
+  if t is int:  # hexadecimal: no digit limit (int <-> decimal str stops at 4300 digits), linear time
+    return {"i": format(v, "x")}
   if t is float:
     return {"f": repr(v)}
   if t is list:
@@ -180,7 +180,7 @@ def _decode(v, depth=0):
   if type(v) is dict and len(v) == 1:
     ((tag, x),) = v.items()
     if tag == "i" and type(x) is str:
-      return int(x)
+      return int(x, 16)
     if tag == "f" and type(x) is str:
       return float(x)
     if tag == "b" and type(x) is str:

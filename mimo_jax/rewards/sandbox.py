@@ -43,7 +43,7 @@ the default on most Linux distributions; verified on this project's machines):
 
 In both modes, a seccomp filter (:func:`seccomp_program`; x86_64 and aarch64) refuses
 with EPERM: ``socket``/``connect`` (``socketpair`` stays), ``memfd_create``, SysV shared
-memory and POSIX message queues, ``io_uring``, ``userfaultfd``, ``bpf``,
+memory, semaphores and message queues, POSIX message queues, ``io_uring``, ``userfaultfd``, ``bpf``,
 ``perf_event_open``, ``ptrace``, cross-process memory access, the keyring,
 ``pidfd_send_signal``, every namespace, mount and root change (``clone`` with a namespace
 flag included; ``clone3`` reads as absent) and ``kexec``.  The launcher sets
@@ -237,7 +237,8 @@ class SandboxIsolation:
 # How memory is bounded in each mode (no cgroup: see the module docstring).
 _MEMORY_NAMESPACE = (
   "RLIMIT_AS per process x max_processes, plus the 64 MiB working tmpfs; no shared memory outside them "
-  "(memfd_create, SysV and POSIX shared memory and message queues denied by the syscall filter, no /dev/shm)"
+  "(memfd_create, SysV shared memory, semaphores and message queues, POSIX message queues denied by the syscall "
+  "filter, no /dev/shm)"
 )
 _MEMORY_GUARD = "RLIMIT_AS per process x max_processes; the host's /dev/shm and /tmp stay writable (not counted)"
 
@@ -905,6 +906,9 @@ _SYSCALLS = {
       "unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161,
       "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsmount": 432, "mount_setattr": 442,
       "kexec_load": 246, "kexec_file_load": 320,
+      # SysV semaphores and message queues: kernel memory outside RLIMIT_AS (hundreds of MiB per run).
+      "semget": 64, "semop": 65, "semctl": 66, "semtimedop": 220, "msgget": 68, "msgsnd": 69, "msgrcv": 70,
+      "msgctl": 71,
     },
   },
   "aarch64": {
@@ -921,6 +925,8 @@ _SYSCALLS = {
       "unshare": 97, "setns": 268, "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51,
       "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsmount": 432, "mount_setattr": 442,
       "kexec_load": 104, "kexec_file_load": 294,
+      "semget": 190, "semop": 193, "semctl": 191, "semtimedop": 192, "msgget": 186, "msgsnd": 189, "msgrcv": 188,
+      "msgctl": 187,
     },
   },
 }
@@ -943,7 +949,7 @@ def seccomp_program(machine: str | None = None) -> list[tuple[int, int, int, int
 
   Denied with EPERM: creating sockets and connecting (``socketpair`` stays: pipes between
   the code's own processes), shared memory outside the address-space limit (``memfd_create``,
-  SysV and POSIX message-queue/shared memory), ``io_uring`` (whose operations bypass this
+  SysV shared memory, semaphores and message queues, POSIX message queues), ``io_uring`` (whose operations bypass this
   filter), ``userfaultfd``, ``bpf``, ``perf_event_open``, ``ptrace`` and cross-process memory
   access, the kernel keyring, ``pidfd_send_signal``, every namespace, mount and root change,
   and ``kexec``.  ``clone`` with a namespace flag is denied too, and ``clone3`` reads as
