@@ -277,6 +277,39 @@ def test_stratified_shares_stay_within_the_band(with_curriculum: bool) -> None:
       assert abs(shares[key] - target) < 0.01
 
 
+def test_a_small_stratum_the_pool_often_lacks_gets_its_share() -> None:
+  """The trainer's mixture sampler (a pool of 4 batches, refreshed whole, refilled by a multinomial draw
+  by weight): a 2% task is missing from about a quarter of the pools.  What it could not get then is
+  owed to it and paid back when it is there, so its long-run share is its weight (it was half of it)."""
+  from mimo_jax.tasks.mixture import MixtureTask
+
+  small = _problems(400, task="small")
+
+  class Small:
+    name = "small"
+
+    def heldout(self):
+      return []
+
+    def sample(self, rng, k):
+      return [small[i] for i in rng.choice(len(small), size=k, replace=False).tolist()]
+
+  mix = MixtureTask(
+    [(ArithTask(levels=(1, 2), seed=1, heldout_size=16), 0.98), (Small(), 0.02)],
+    levels={"arith": (1, 2)},
+    heldout_size=16,
+  )
+  sampler = PromptSampler(mix.sample, pool_size=32, strata=mix.strata(), refresh_fraction=1.0)
+  rng = np.random.default_rng(0)
+  lacked = drawn = 0
+  for _ in range(2000):
+    drawn += sum(p.task == "small" for p in sampler.sample(rng, 8))
+    lacked += not any(p.task == "small" for p in sampler.pool)
+  assert lacked > 300  # the pool often has none
+  assert abs(drawn / 16000 - 0.02) < 0.002, drawn
+  assert sampler.realized_shares()[("small", 0)] == drawn / 16000
+
+
 def test_strata_by_task_name_and_unlisted_groups() -> None:
   a, b, c = _problems(40, task="a", level=1), _problems(40, task="b", level=2), _problems(10, task="c")
   sampler = PromptSampler(_refill_from(a + b + c), pool_size=90, strata={"a": 0.75, ("b", 2): 0.25}, band=0.0)

@@ -527,7 +527,16 @@ class PromptSampler(Generic[P]):
     return _project_shares(raw, lo, hi)
 
   def _apportion(self, shares: np.ndarray, caps: np.ndarray, n: int) -> np.ndarray:
-    quota = shares * n + np.where(caps > 0, self._carry, 0.0)
+    """Counts per group summing to ``n``: ``shares`` (over the groups with candidates) plus what each group
+    is owed, largest remainders first, none past its ``caps``.
+
+    What a group is owed carries over between draws: its share of every draw less what it got.  A group
+    with no candidate this draw (a small stratum the pool's refill missed) is owed its whole share of
+    the whole mix, and the groups that filled in for it owe it back, so every group's long-run share
+    is its target's (a stratum of 2% that half the pools lack was drawn at half its weight)."""
+    present = caps > 0
+    owed_share = np.where(present, shares * self._targets[present].sum(), self._targets)
+    quota = shares * n + np.where(present, self._carry, 0.0)
     desired = np.clip(quota, 0.0, caps)
     counts = np.minimum(np.floor(desired).astype(np.int64), caps)
     # Largest remainders first (ties by group order), never past a group's candidates.
@@ -540,7 +549,7 @@ class PromptSampler(Generic[P]):
     while counts.sum() > n:
       excess = np.where(counts > 0, counts - desired, -np.inf)
       counts[int(np.argmax(excess))] -= 1
-    self._carry = np.where(caps > 0, np.clip(quota - counts, -n, n), self._carry)
+    self._carry = np.where(self._targets > 0, np.clip(self._carry + owed_share * n - counts, -n, n), 0.0)
     return counts
 
   def sample(self, rng: np.random.Generator, n: int) -> list[P]:
