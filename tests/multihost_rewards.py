@@ -44,7 +44,7 @@ def batch(worker, mesh, rng, step: int):
     texts.append(p.answer if right else str(int(p.answer) + 1 + int(rng.integers(0, 5))))
   B = len(texts)
   tokens, mask, _ = encode_prompts(worker.tokenizer, [p.prompt for p in problems], worker.buckets)
-  ctok, cmask = encode_targets(worker.tokenizer, texts, cfg.rollout.max_new_tokens)
+  ctok, cmask, _ = encode_targets(worker.tokenizer, texts, cfg.rollout.max_new_tokens)
   rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
 
   def put(x):

@@ -1003,6 +1003,37 @@ def test_the_learner_as_two_programs_is_the_one_program_step(tmp_path, algo):
   )
 
 
+def test_sft_counts_and_warns_of_the_examples_it_cuts(tmp_path, capsys):
+  """Supervised targets longer than --max_new_tokens lose their end (the answer): the SFT steps count
+  them (and prompts past the largest bucket) in their logged records and warn once."""
+  import copy
+
+  from mimo_jax.rollout.encoding import encode_prompts, encode_targets
+  from mimo_jax.testing import kill_resume
+  from mimo_jax.train.loop import RLRun
+
+  cfg = _cfg(tmp_path, "--sft_steps=3", "--max_new_tokens=3", "--prompt_buckets=4", "--mesh_fsdp=8")
+  run = RLRun(cfg, str(tmp_path))
+  run.open_logger(None)
+  try:
+    rng = copy.deepcopy(run.data_rng)
+    expected = [0, 0]
+    for i in range(3):  # the same examples, encoded on their own
+      examples = run.task.sft_examples(rng, 16, easiest=i < cfg.run.sft_curriculum_steps)
+      expected[0] += encode_prompts(run.tokenizer, [e[0] for e in examples], (4,))[2]
+      expected[1] += sum(len(run.tokenizer.encode(e[1], add_eos=True)) > 3 for e in examples)
+    run.sft(run.fresh_state("sft"), 0)
+  finally:
+    run.close()
+  assert expected[0] > 0 and 0 < expected[1] <= 48
+  (logged,) = [r for r in kill_resume.load_metrics(str(tmp_path)) if "sft_loss" in r]  # the last SFT step's
+  assert (logged["sft_prompt_truncated"], logged["sft_target_truncated"]) == tuple(expected)
+  out = capsys.readouterr().out
+  assert out.count("supervised targets at SFT step") == 1 and "--max_new_tokens=3" in out
+  tokens, mask, cut = encode_targets(run.tokenizer, ["12345", "1"], 3)
+  assert cut == 1 and mask.sum(axis=1).tolist() == [3, 2]
+
+
 def test_the_warm_start_takes_its_own_optimizer_flags_not_the_rl_policys(tmp_path):
   """A sweep point that couples --grad_clip to the LR (or a run that sets --weight_decay or a
   constant schedule) must start RL from the same warm start: SFT reads only the sft_* flags."""

@@ -47,15 +47,23 @@ def encode_prompts(
   return tokens, mask, truncated
 
 
-def encode_targets(tokenizer: Tokenizer, completions: Sequence[str], length: int) -> tuple[np.ndarray, np.ndarray]:
-  """Right-pads completion tokens (+ EOS) to ``length``; over-long targets are truncated."""
+def encode_targets(tokenizer: Tokenizer, completions: Sequence[str], length: int) -> tuple[np.ndarray, np.ndarray, int]:
+  """Right-pads completion tokens (+ EOS) to ``length``; over-long targets keep their first ``length``
+  tokens (their end, and the EOS, cut).
+
+  Returns:
+    ``(tokens [rows, length], mask [rows, length], number of targets that were cut)``.
+  """
   tokens = np.full((len(completions), length), tokenizer.pad_id, np.int32)
   mask = np.zeros((len(completions), length), bool)
+  truncated = 0
   for i, c in enumerate(completions):
-    ids = tokenizer.encode(c, add_eos=True)[:length]
+    ids = tokenizer.encode(c, add_eos=True)
+    truncated += len(ids) > length
+    ids = ids[:length]
     tokens[i, : len(ids)] = ids
     mask[i, : len(ids)] = True
-  return tokens, mask
+  return tokens, mask, truncated
 
 
 def decode_completions(tokenizer: Tokenizer, rollout: RolloutOutput, rows: np.ndarray | None = None) -> list[str]:

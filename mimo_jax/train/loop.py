@@ -783,11 +783,22 @@ class RLRun:
     bar = tqdm.trange(
       start, n, desc="sft", leave=False, mininterval=1.0, initial=start, total=n, disable=not multihost.is_primary()
     )
+    cut = np.zeros(2, np.int64)  # prompts and targets cut since the last logged step
+    warned = False
     for i in bar:
       easiest = i < cfg.run.sft_curriculum_steps  # the easiest difficulty level first
       examples = self.task.sft_examples(self.data_rng, cfg.data.sft_batch_size, easiest=easiest)
-      p_tok, p_mask, _ = encode_prompts(self.tokenizer, [e[0] for e in examples], self.buckets)
-      c_tok, c_mask = encode_targets(self.tokenizer, [e[1] for e in examples], M)
+      p_tok, p_mask, p_cut = encode_prompts(self.tokenizer, [e[0] for e in examples], self.buckets)
+      c_tok, c_mask, c_cut = encode_targets(self.tokenizer, [e[1] for e in examples], M)
+      cut += (p_cut, c_cut)
+      if c_cut and not warned and multihost.is_primary():
+        warned = True
+        print(
+          f"warning: {c_cut} of {len(examples)} supervised targets at SFT step {i + 1} are longer than "
+          f"--max_new_tokens={M} tokens and are cut: their end (the final answer) is not learned; a larger "
+          "--max_new_tokens keeps them whole (sft_target_truncated counts them)",
+          flush=True,
+        )
       batch = SequenceBatch(*(jnp.asarray(x) for x in (p_tok, p_mask, c_tok, c_mask)))
       state, metrics = self.sft_step_fn(state, batch)
       done = i + 1
@@ -795,7 +806,10 @@ class RLRun:
       if done % 25 == 0 or done == n:
         m = multihost.to_host(metrics)
         bar.set_postfix(loss=f"{float(m['sft_loss']):.3f}")
-        self.logger.log(log_step, {"sft_loss": m["sft_loss"], "lr": self.sft_schedule(i)})
+        record = {"sft_loss": m["sft_loss"], "lr": self.sft_schedule(i)}
+        record.update(sft_prompt_truncated=int(cut[0]), sft_target_truncated=int(cut[1]))
+        self.logger.log(log_step, record)
+        cut[:] = 0
       every = cfg.checkpoint.checkpoint_every
       stop = self.should_stop()
       if done == n or (every and done % every == 0) or stop:

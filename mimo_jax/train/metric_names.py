@@ -26,6 +26,11 @@ METRICS: tuple[tuple[str, str], ...] = (
     "RL step (1-based; 0: the warm start's evaluation; max_steps + 1: the final evaluation); SFT steps log before RL step 0",
   ),
   ("sft_loss", "supervised warm-start loss (SFT steps)"),
+  (
+    "sft_*_truncated",
+    "SFT examples cut since the last logged SFT step: `sft_prompt_truncated` (prompts longer than the largest "
+    "bucket keep their end), `sft_target_truncated` (targets longer than `--max_new_tokens` lose their end)",
+  ),
   ("reward_mean", "raw reward of the trained batch, mean (the sources' mix before any shaping)"),
   ("reward_std", "raw reward of the trained batch, standard deviation"),
   ("accuracy", "fraction of the batch's completions the verifier accepts"),
