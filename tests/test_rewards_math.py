@@ -93,7 +93,7 @@ def test_hostile_lengths_are_read_in_one_pass_and_refused_cleanly() -> None:
   text = "\\boxed{" * 3000 + "} \\boxed{1} \\boxed{\\frac{1}{2}} } \\boxed{"
   assert extract_answer_with_source(text) == ("\\frac{1}{2}", "boxed")
   assert normalize_number("1" * 5000) is None and normalize_number("0." + "1" * 5000) is None
-  assert math_reward("#### " + "1" * 5000, "72") == {"correct": 0.0, "format": 1.0}
+  assert math_reward("#### " + "1" * 5000, "72") == {"correct": 0.0, "format": 0.0}  # no number, no format
   assert math_reward("The answer is " + "9" * 4301, "72") == {"correct": 0.0, "format": 0.0}
 
 
@@ -403,7 +403,9 @@ def test_timed_out_symbolic_checks_hold_their_slots_until_they_end(
     ("I think it is 72", "72", 0.0, 0.0),  # no committed answer: no last-number fallback
     ("#### $1,234.00", "1234", 1.0, 1.0),
     ("\\boxed{\\frac{3}{4}}", "0.75", 1.0, 1.0),
-    ("#### 12 or 13", "12", 0.0, 1.0),
+    ("#### 12 or 13", "12", 0.0, 0.0),  # the marker on a hedge, or on no number, is no format
+    ("#### banana", "12", 0.0, 0.0),
+    ("#### x + 2x", "12", 0.0, 1.0),  # an expression reads as one
     ("", "5", 0.0, 0.0),
     ("\\boxed{5^2}", "5", 0.0, 1.0),  # 25, not 5 with a unit's square
   ],

@@ -596,10 +596,16 @@ def math_reward(completion: str, gold_answer: str, *, timeout_s: float = 1.0) ->
   Returns:
     ``{"correct": 1.0 or 0.0, "format": 1.0 or 0.0}``: ``correct`` is whether the
     extracted answer (any accepted form, no last-number fallback) matches; ``format`` is
-    whether the answer was given with ``####`` or ``\\boxed{}`` rather than only in prose.
+    whether the answer was given with ``####`` or ``\\boxed{}`` rather than only in prose, and reads as
+    one number or expression (``#### banana`` and ``#### 12 or 13`` are no answers: a format reward
+    that paid for the marker alone would pay a policy for writing it before anything).
   """
   found = extract_answer_with_source(completion)
   pred = None if found is None else found[0]
   correct = answers_match(pred, gold_answer, timeout_s=timeout_s)
-  formatted = found is not None and found[1] in _FORMATTED_SOURCES
+  formatted = (
+    found is not None
+    and found[1] in _FORMATTED_SOURCES
+    and (correct or normalize_number(pred) is not None or _to_sympy_source(pred) is not None)
+  )
   return {"correct": float(correct), "format": float(formatted)}
