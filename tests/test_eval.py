@@ -378,6 +378,17 @@ def test_cli_reproduces_the_runs_greedy_accuracy(trained_run, tmp_path, capsys, 
   assert n1 > 0 and n2 > 0 and n1 + n2 == 16
   for key in ("greedy_accuracy", "pass@4"):
     assert res[key] == pytest.approx((n1 * res[f"level1/{key}"] + n2 * res[f"level2/{key}"]) / 16), key
+  assert "eval_prompts_not_held_out" not in res
+
+  # A larger arithmetic split than the run held out: its extra prompts are ones the run could train on.
+  rc, res, err = _cli(capsys, f"--checkpoint={run_dir}", "--eval_prompts=24")
+  assert rc == 0, err
+  from mimo_jax.tasks.registry import HELDOUT_SEED
+
+  own = {p.prompt for p in ArithTask(levels=(1, 2), seed=HELDOUT_SEED, heldout_size=16).heldout()}
+  larger = [p.prompt for p in ArithTask(levels=(1, 2), seed=HELDOUT_SEED, heldout_size=24).heldout()]
+  outside = sum(p not in own for p in larger)
+  assert res["num_problems"] == 24 and 0 < outside and res["eval_prompts_not_held_out"] == outside
 
 
 def test_cli_refuses_missing_checkpoints_and_bad_flags(trained_run, tmp_path, capsys):

@@ -38,7 +38,7 @@ from mimo_jax.models import ModelConfig, Transformer, abstract_state
 from mimo_jax.rewards.math import extract_answer, normalize_number
 from mimo_jax.rollout import Sampler, SamplingParams
 from mimo_jax.rollout.encoding import decode_completions, encode_prompts, sampling_params
-from mimo_jax.tasks.registry import build_task, check_sandbox
+from mimo_jax.tasks.registry import build_arith_task, build_task, check_sandbox
 from mimo_jax.tokenization import Tokenizer
 
 __all__ = [
@@ -510,8 +510,9 @@ def evaluate_checkpoint(
       code and the sandbox has no kernel isolation (without ``allow_weak_sandbox``).
   """
   run_dir, step = resolve_checkpoint(path)
+  run_cfg = load_run_config(run_dir)
   cfg, num_samples, ks, temperature = _eval_settings(
-    load_run_config(run_dir), eval_prompts, num_samples, ks, temperature, allow_weak_sandbox
+    run_cfg, eval_prompts, num_samples, ks, temperature, allow_weak_sandbox
   )
   if max_batch_rows is not None and max_batch_rows < 1:
     raise ConfigError(f"--max_batch_rows={max_batch_rows}: must be >= 1")
@@ -528,6 +529,13 @@ def evaluate_checkpoint(
     raise ConfigError(f"cannot rebuild the run from {run_dir}/config.json: {e}") from None
   if not heldout:
     raise ConfigError(f"the run's task has no held-out prompts (eval_prompts={cfg.data.eval_prompts})")
+  unseen = _outside_the_runs_heldout(run_cfg, heldout)
+  if unseen:
+    print(
+      f"warning: {unseen} of the {len(heldout)} prompts evaluated are outside the run's own held-out split "
+      f"(--eval_prompts={run_cfg.data.eval_prompts} drew it): the run may have trained on them",
+      flush=True,
+    )
   folder = os.path.dirname(os.path.abspath(path)) if step is not None else os.path.join(run_dir, "checkpoints")
   ckpt = Checkpointer(folder, async_save=False, read_only=True)
   try:
@@ -568,12 +576,24 @@ def evaluate_checkpoint(
     "step": int(meta["step"]),
     "task": cfg.data.task,
     "eval_prompts": len(heldout),
+    # Prompts the run did not hold out (a larger arithmetic split than the run's): it may have trained on them.
+    **({"eval_prompts_not_held_out": unseen} if unseen else {}),
     "eval_samples": num_samples,
     "eval_temperature": float(temperature),
     "ks": list(ks),
     **metrics,
     **({"sandbox": sandbox} if sandbox is not None else {}),
   }
+
+
+def _outside_the_runs_heldout(run_cfg: Config, heldout: Sequence[Any]) -> int:
+  """How many of ``heldout`` the run itself did not hold out.  Only the arithmetic task's held-out split
+  depends on ``--eval_prompts`` (a file task's is its whole evaluation file), so a larger count evaluates
+  arithmetic problems the run's training stream was free to draw."""
+  if "arith" not in dict(run_cfg.data.task_mix):
+    return 0
+  arith = build_arith_task(run_cfg.data)
+  return sum(getattr(p, "task", "arith") == "arith" and not arith.is_heldout(p) for p in heldout)
 
 
 def _eval_settings(

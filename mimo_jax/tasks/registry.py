@@ -99,16 +99,21 @@ def build_task(cfg: DataConfig, *, seed: int, hf_checkpoint: str = "") -> tuple[
   return task, tokenizer
 
 
+def build_arith_task(cfg: DataConfig) -> ArithTask:
+  """The arithmetic task of ``cfg``: its held-out split is the first ``--eval_prompts`` of a fixed stream."""
+  return ArithTask(
+    levels=cfg.arith_levels,
+    seed=HELDOUT_SEED,
+    heldout_size=max(cfg.eval_prompts, 1),
+    reverse_answer=cfg.arith_reverse,
+    sft_wrong_carry_fraction=cfg.sft_wrong_fraction,
+  )
+
+
 def _build_one(cfg: DataConfig, name: str) -> Any:
   """The task ``name`` (``--data_path``/``--eval_data_path`` go to the file task; in a mixture there is at most one)."""
   if name == "arith":
-    return ArithTask(
-      levels=cfg.arith_levels,
-      seed=HELDOUT_SEED,
-      heldout_size=max(cfg.eval_prompts, 1),
-      reverse_answer=cfg.arith_reverse,
-      sft_wrong_carry_fraction=cfg.sft_wrong_fraction,
-    )
+    return build_arith_task(cfg)
   for path_flag in ("data_path", "eval_data_path"):
     path = getattr(cfg, path_flag)
     if path and not os.path.isfile(path):
