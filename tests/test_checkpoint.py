@@ -217,6 +217,55 @@ def test_a_run_resumed_past_a_truncated_checkpoint_sets_it_aside_and_ends_as_the
   assert [r["step"] for r in _metrics(run_dir)] == [r["step"] for r in _metrics(finished_run)]
 
 
+@pytest.mark.parametrize(
+  ("flag", "named"),
+  [
+    ("--value_window=16", "controllers/value_history: stored shape (8,), built (16,)"),
+    ("--reference_dtype=bfloat16", "stored float32, built bfloat16"),
+  ],
+)
+def test_a_resume_with_another_state_shape_is_refused_and_nothing_is_set_aside(finished_run, tmp_path, flag, named):
+  """A setting that reshapes the trainer's state (a controller's history, the reference's dtype) makes
+  every intact checkpoint of the run "unreadable" to Orbax: the resume set the RL checkpoints aside and
+  started RL again from the last SFT step (exit 0), or blamed corruption.  It is refused, naming the
+  entry and the settings that shape it, and every checkpoint stays where it was."""
+  from mimo_jax.ckpt.manager import CheckpointMismatch
+  from mimo_jax.train.loop import RLRun
+
+  run_dir = _copy(finished_run, tmp_path)
+  before = sorted(os.listdir(run_dir))
+  run = RLRun(parse_config(["prog", *SMALL, f"--run_dir={run_dir}", flag]), str(run_dir))
+  try:
+    with pytest.raises(CheckpointMismatch, match="holds another state") as e:
+      run.restore()
+  finally:
+    run.close()
+  assert named in str(e.value) and flag.split("=")[0] in str(e.value)
+  assert sorted(os.listdir(run_dir)) == before  # no checkpoints.unreadable
+  assert sorted(os.listdir(run_dir / "checkpoints")) == sorted(os.listdir(finished_run / "checkpoints"))
+
+
+def test_a_resume_names_the_settings_that_changed_and_a_moved_run_has_none(finished_run, tmp_path, capsys):
+  from mimo_jax.train.loop import RLRun
+
+  run_dir = _copy(finished_run, tmp_path)  # another directory: where the run is is no setting
+  for extra, warning in (
+    ([], None),
+    (["--learning_rate=0.002", "--stop_at_step=9"], "differs from the checkpoint's: --learning_rate: "),
+  ):
+    run = RLRun(parse_config(["prog", *SMALL, f"--run_dir={run_dir}", *extra]), str(run_dir))
+    try:
+      assert run.restore().step == 6
+    finally:
+      run.close()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "differs from the checkpoint" in line]
+    if warning is None:
+      assert lines == []
+    else:
+      (line,) = lines
+      assert warning in line and "stop_at_step" not in line and "run_dir" not in line
+
+
 def test_after_a_failed_read_only_orbaxs_leftover_reads_are_kept_quiet(monkeypatch):
   """Orbax's reads left behind by a failed restore print an "Exception ignored" traceback each when
   collected, and TensorStore's callbacks into the closed loop print "Event loop is closed" through

@@ -37,10 +37,33 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mimo_jax import multihost
 from mimo_jax.ckpt import schema
+from mimo_jax.config_base import ConfigError
 
 
 class CheckpointCorrupted(RuntimeError):
   """A checkpoint that cannot be read back intact."""
+
+
+class CheckpointMismatch(ConfigError):
+  """An intact checkpoint of another state than the one asked for: other entries, shapes or dtypes (a
+  setting that shapes the state changed since it was written).  Never skipped or set aside as unreadable."""
+
+
+def layout_differences(stored: Any, target: Any, limit: int = 3) -> list[str]:
+  """How an Orbax tree's stored array metadata and a restore target differ: entries only one has, and
+  shapes or dtypes (at most ``limit`` of them, then a count); [] when they agree."""
+  have, want = ocp.tree.to_flat_dict(stored), ocp.tree.to_flat_dict(target)
+  out = [f"{_path_str(k)}: stored, not built" for k in sorted(set(have) - set(want), key=str)]
+  out += [f"{_path_str(k)}: built, not stored" for k in sorted(set(want) - set(have), key=str)]
+  for k in sorted(set(have) & set(want), key=str):
+    a, b = have[k], want[k]
+    a_shape, b_shape = tuple(getattr(a, "shape", ()) or ()), tuple(getattr(b, "shape", ()) or ())
+    a_dtype, b_dtype = getattr(a, "dtype", None), getattr(b, "dtype", None)
+    if a_shape != b_shape:
+      out.append(f"{_path_str(k)}: stored shape {a_shape}, built {b_shape}")
+    elif a_dtype is not None and b_dtype is not None and np.dtype(a_dtype) != np.dtype(b_dtype):
+      out.append(f"{_path_str(k)}: stored {np.dtype(a_dtype).name}, built {np.dtype(b_dtype).name}")
+  return out[:limit] + ([f"and {len(out) - limit} more"] if len(out) > limit else [])
 
 
 def _unreadable(step: int, e: BaseException) -> CheckpointCorrupted:
@@ -393,9 +416,20 @@ class Checkpointer:
 
     Raises:
       CheckpointCorrupted: unreadable files, invalid metadata or a fingerprint mismatch.
+      CheckpointMismatch: the step holds other entries, shapes or dtypes than ``abstract_state``.
     """
     error = None
     _quiet_failed_reads()
+    try:
+      stored = self._mgr.item_metadata(step)["state"]
+    except Exception:  # noqa: BLE001 - an unreadable description fails the restore below, as unreadable
+      stored = None
+    differences = layout_differences(stored, abstract_state) if stored is not None else []
+    if differences:  # read from the same files by every process: the same answer everywhere
+      raise CheckpointMismatch(
+        f"checkpoint {os.path.join(self.directory, str(step))} holds another state than this configuration "
+        f"builds ({'; '.join(differences)})"
+      )
     try:
       restored = self._mgr.restore(
         step,
@@ -497,6 +531,8 @@ class Checkpointer:
       try:
         target = abstract_state(self.read_meta(step)) if callable(abstract_state) else abstract_state
         state, meta = self.restore(step, target)
+      except CheckpointMismatch:  # intact, of another configuration: never skipped past or set aside
+        raise
       except Exception as e:  # noqa: BLE001 - any unreadable step is skipped the same way
         why = (
           str(e) if isinstance(e, CheckpointCorrupted) else f"checkpoint {step} is unreadable ({type(e).__name__}: {e})"

@@ -27,7 +27,7 @@ from absl import logging
 from flax import nnx
 
 from mimo_jax import multihost, sharding
-from mimo_jax.ckpt.manager import abstract_like
+from mimo_jax.ckpt.manager import CheckpointMismatch, abstract_like
 from mimo_jax.config import Config, OptimConfig
 from mimo_jax.config_base import ConfigError
 from mimo_jax.eval.evaluator import default_ks, eval_rows, evaluate_policy
@@ -129,6 +129,15 @@ def apportioned_score_time(record: Mapping[str, Any]) -> float:
   ``time_score_s``."""
   scored = record["flops_score"] + record["flops_reference"] + record["flops_value"]
   return record["time_train_s"] * scored / max(scored + record["flops_learn"], 1.0)
+
+
+def _mismatch(run_dir: str, e: CheckpointMismatch) -> CheckpointMismatch:
+  """A resume's refusal of an intact checkpoint of another state, with the settings that shape it."""
+  return CheckpointMismatch(
+    f"--run_dir={run_dir}: {e}. A setting that shapes the trainer's state differs from the run's (its "
+    "config.json): --use_value_model, --value_window, --master_dtype (with --param_dtype=bfloat16) or "
+    "--reference_dtype. Resume with the run's settings, or start afresh with --overwrite or another --run_dir"
+  )
 
 
 def resolve_run_dir(cfg: Config) -> str:
@@ -573,11 +582,13 @@ class RLRun:
     }
 
   def _config_digest(self) -> str:
-    """The digest of the settings a resume warns about when they changed: all but ``--stop_at_step``, which
-    only says where this command stops (the sweep's gate stops every point's run with it, then goes on
-    without it: each resume warned of a changed configuration)."""
+    """The digest of the settings a resume warns about when they changed: all but where this command runs
+    or stops (``rundir.NOT_SETTINGS``: the sweep's gate stops every point's run with ``--stop_at_step``,
+    then goes on without it, and each resume warned of a changed configuration; so did a run directory
+    moved elsewhere)."""
     settings = self.cfg.to_dict()
-    settings["run"] = {k: v for k, v in settings["run"].items() if k != "stop_at_step"}
+    for section, values in settings.items():
+      settings[section] = {k: v for k, v in values.items() if k not in rundir.NOT_SETTINGS}
     return digest(settings)
 
   def _pending_record(self, batch_id: int) -> dict[str, Any]:
@@ -647,7 +658,10 @@ class RLRun:
         templates[phase] = self.fresh_state(phase)
       return self._target(templates[phase], meta)
 
-    found = self.ckpt.restore_latest(target, at_most=at_most)
+    try:
+      found = self.ckpt.restore_latest(target, at_most=at_most)
+    except CheckpointMismatch as e:
+      raise _mismatch(self.run_dir, e) from None
     if found is None:
       # Starting afresh in place would overwrite the run's logs and its checkpoints' step numbers.
       raise ConfigError(
@@ -664,7 +678,14 @@ class RLRun:
         )
       self.ckpt.delete_after(gstep)
     if meta["config_digest"] != self._config_digest():
-      print("warning: resuming with a configuration that differs from the checkpoint's", flush=True)
+      # The run's config.json is still the last start's here (rewritten once the resume is settled).
+      previous = self.dir.read_config() if multihost.is_primary() else None
+      changes = rundir.setting_changes(previous, self.cfg.to_dict()) if previous else []
+      print(
+        "warning: resuming with a configuration that differs from the checkpoint's"
+        + (f": {'; '.join(changes)}" if changes else ""),
+        flush=True,
+      )
     state = self._from_tree(templates[meta["phase"]], tree)
     ctl = meta.get("controllers", {})
     self.bad_steps, self.rollbacks = ctl.get("bad_steps", 0), ctl.get("rollbacks", 0)
@@ -708,7 +729,10 @@ class RLRun:
     if not self.use_kl:
       return state
     target = abstract_reference(abstract_like(state.params, self.mesh), dtype=self.cfg.algo.reference_dtype)
-    found = self.ref_ckpt.restore_latest({"params": target})
+    try:
+      found = self.ref_ckpt.restore_latest({"params": target})
+    except CheckpointMismatch as e:
+      raise _mismatch(self.run_dir, e) from None
     if found is None:
       raise RuntimeError(f"{self.run_dir}/reference: the frozen reference policy is missing or corrupted")
     return state.replace(reference=self._place_reference(found[1]["params"]))

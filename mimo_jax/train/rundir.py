@@ -133,6 +133,20 @@ def identity_mismatches(
   return out
 
 
+# Where this command runs or stops, not what it trains: never a change of the run's configuration.
+NOT_SETTINGS = frozenset({"run_dir", "stop_at_step", "overwrite"})
+
+
+def setting_changes(previous: dict[str, Any], current: dict[str, Any]) -> list[str]:
+  """``--flag: old -> new`` for every setting (but :data:`NOT_SETTINGS`) that differs between two
+  ``Config.to_dict()``s."""
+  settings = {
+    section: tuple(f.name for f in dataclasses.fields(cls) if f.name not in NOT_SETTINGS)
+    for section, cls in CONCERN_CLASSES.items()
+  }
+  return identity_mismatches(previous, current, settings)
+
+
 def config_json(
   config: dict[str, Any], *, sandbox: dict[str, Any] | None = None, provenance: dict[str, Any] | None = None
 ) -> str:
