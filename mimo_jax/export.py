@@ -33,8 +33,9 @@ def _unwrap_variables(tree):
   return tree
 
 
-def export(run_dir: str, out: str, *, step: int | None = None, dtype: str | None = None) -> int:
-  """Writes checkpoint ``step`` (default: the latest intact one) of ``run_dir`` to ``out``.
+def export(run_dir: str, out: str, *, step: int | None = None, dtype: str | None = None, best: bool = False) -> int:
+  """Writes checkpoint ``step`` (default: the latest intact one) of ``run_dir`` to ``out``; with ``best``,
+  of the best evaluated policy the run kept (``--keep_best``: ``<run_dir>/best``).
 
   The policy's parameters are verified against their fingerprints before anything is written.  Without
   ``step``, a corrupted checkpoint is passed over (with a warning) for the one before it.
@@ -47,7 +48,7 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str | None
     CheckpointCorrupted: ``step`` (or, without it, every checkpoint) is unreadable or does not match its
       fingerprints.
   """
-  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), async_save=False, read_only=True)
+  ckpt = Checkpointer(os.path.join(run_dir, "best" if best else "checkpoints"), async_save=False, read_only=True)
   try:
     steps = [ckpt.resolve_step(step)] if step is not None else list(reversed(ckpt.all_steps()))
     if not steps:
@@ -75,9 +76,12 @@ def main(argv=None) -> int:
   parser.add_argument("--out", required=True)
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest intact one)")
   parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+  parser.add_argument(
+    "--best", action="store_true", help="the best evaluated policy the run kept (--keep_best), not its latest"
+  )
   args = parser.parse_args(argv)
   try:
-    step = export(args.run_dir, args.out, step=args.step, dtype=args.dtype)
+    step = export(args.run_dir, args.out, step=args.step, dtype=args.dtype, best=args.best)
   except (FileNotFoundError, CheckpointCorrupted) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -390,6 +390,17 @@ def test_cli_reproduces_the_runs_greedy_accuracy(trained_run, tmp_path, capsys, 
   outside = sum(p not in own for p in larger)
   assert res["num_problems"] == 24 and 0 < outside and res["eval_prompts_not_held_out"] == outside
 
+  # A run written on a mesh this machine's devices cannot hold (here: 2 x 8 of 8) evaluates on all of
+  # them over fsdp (checkpoints restore onto any layout): here that is the run's own split of 8.
+  moved = tmp_path / "moved"
+  shutil.copytree(run_dir, moved)
+  config = json.loads((moved / "config.json").read_text())
+  config["mesh"].update(mesh_data=2, mesh_fsdp=8)
+  (moved / "config.json").write_text(json.dumps(config))
+  rc, res, err = _cli(capsys, f"--checkpoint={moved}", "--eval_prompts=16")
+  assert rc == 0, err
+  assert res["greedy_accuracy"] == final and res["checkpoint_step"] == 9
+
 
 def test_cli_refuses_missing_checkpoints_and_bad_flags(trained_run, tmp_path, capsys):
   run_dir, _ = trained_run
@@ -507,6 +518,22 @@ def test_keep_best_keeps_the_best_evaluated_policy_beside_the_last_ones(tmp_path
   rc, res, err = _cli(capsys, f"--checkpoint={run_dir / 'best' / str(kept[0])}")
   assert rc == 0, err
   assert (res["phase"], res["step"], res["greedy_accuracy"]) == ("rl", best_rl_step, best)
+  # Exported: the best policy's very weights.
+  from mimo_jax.ckpt import Checkpointer
+  from mimo_jax.export import main as export_main
+  from mimo_jax.models.hf import load_hf
+
+  assert export_main(["--run_dir", str(run_dir), "--out", str(tmp_path / "hf"), "--best"]) == 0
+  assert f"exported checkpoint {kept[0]}" in capsys.readouterr().out
+  ckpt = Checkpointer(str(run_dir / "best"), read_only=True)
+  stored, _ = ckpt.restore_untyped_part(kept[0], ["params"])
+  ckpt.close()
+  from flax import nnx
+
+  def arrays(tree):  # each array's shape and exact bits, in a canonical order
+    return sorted((np.shape(x), np.asarray(x, np.float32).tobytes()) for x in jax.tree.leaves(tree))
+
+  assert arrays(nnx.state(load_hf(str(tmp_path / "hf")))) == arrays(stored["params"])
   # --all takes best/'s checkpoint too once --keep_last has dropped it from checkpoints/.
   shutil.rmtree(run_dir / "checkpoints" / str(kept[0]), ignore_errors=True)
   left = sorted(int(n) for n in os.listdir(run_dir / "checkpoints") if n.isdigit())

@@ -522,7 +522,7 @@ def evaluate_checkpoint(
   # Only what evaluation needs: the task and its held-out split, the policy's parameters (restored
   # alone, onto the run's mesh) and a sampler.
   try:
-    mesh = sharding.build_mesh(cfg.mesh)
+    mesh = sharding.build_mesh(_local_mesh_config(cfg.mesh))
     task, tokenizer = build_task(cfg.data, seed=cfg.run.seed, hf_checkpoint=cfg.model.hf_checkpoint)
     heldout = task.heldout()[: cfg.data.eval_prompts]
   except ValueError as e:  # ConfigError included; also a held-out split the task cannot draw
@@ -584,6 +584,20 @@ def evaluate_checkpoint(
     **metrics,
     **({"sandbox": sandbox} if sandbox is not None else {}),
   }
+
+
+def _local_mesh_config(mesh: sharding.MeshConfig) -> sharding.MeshConfig:
+  """The run's mesh where it fits this machine's devices (greedy decoding then reproduces the run's own
+  evaluation), else every device on the fsdp axis: checkpoints restore onto any layout, and the numbers
+  may differ from the run's by float rounding (another split of the same sums)."""
+  devices = jax.device_count()
+  try:
+    mesh.resolve(devices)
+    return mesh
+  except ValueError as e:
+    local = dataclasses.replace(mesh, mesh_data=1, mesh_fsdp=-1, mesh_tensor=1)
+    print(f"note: {e}; evaluating on data=1, fsdp={devices}, tensor=1 instead", flush=True)
+    return local
 
 
 def _outside_the_runs_heldout(run_cfg: Config, heldout: Sequence[Any]) -> int:
