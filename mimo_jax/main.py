@@ -285,6 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       print(f"error: {e}", file=sys.stderr)
       return 2
     return 0
+  from mimo_jax.ckpt.manager import CheckpointWriteFailed
   from mimo_jax.train.loop import RunAborted, train
 
   try:
@@ -295,6 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   except RunAborted as e:
     print(f"error: {e}", file=sys.stderr)
     return _failed(3)
+  except (CheckpointWriteFailed, OSError) as e:  # a full disk, a read-only run directory: the machine's, one line
+    print(f"error: {e}", file=sys.stderr)
+    return _failed(1)
   except BaseException:
     if not _multi_process():
       raise

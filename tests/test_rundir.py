@@ -180,6 +180,33 @@ def test_bad_steps_never_evict_the_last_good_checkpoint(tmp_path, capsys):
   assert summary["rollbacks"] == 1 and summary["nonfinite_steps"] == 2
 
 
+def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line_and_a_rerun_loses_nothing(finished_run, tmp_path):
+  """A write the machine refuses (a file-size limit here, as a full disk would; no root needed): the run
+  ends with one ``error:`` line naming the checkpoint directory, exit 1, nothing half-written is taken for
+  a checkpoint, and the same command rerun with room completes as the uninterrupted run."""
+  import resource
+  import signal
+  import subprocess
+  import sys
+
+  def limited():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG instead of a kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))  # under one checkpoint's largest file
+
+  run_dir = tmp_path / "run"
+  cmd = [sys.executable, "-m", "mimo_jax.main", *SMALL, f"--run_dir={run_dir}"]
+  env = dict(os.environ)  # the suite's XLA flags, as the in-process run had them
+  proc = subprocess.run(cmd, env=env, preexec_fn=limited, capture_output=True, text=True, timeout=900)
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert len(errors) == 1 and f"{run_dir}/checkpoints: a checkpoint could not be written" in errors[0]
+  assert "rerun the same command" in errors[0]
+  assert [n for n in os.listdir(run_dir / "checkpoints") if n.isdigit()] == []
+  again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert kill_resume.compare(str(finished_run), str(run_dir)) == []
+
+
 def test_a_non_writer_run_directory_writes_nothing(tmp_path):
   """The processes of a multi-process run other than process 0: no lock, no claim, no files."""
   from mimo_jax.train.rundir import RunDir

@@ -18,6 +18,7 @@ then falls back to the previous step and says so.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -99,6 +100,30 @@ def _quiet_failed_reads() -> None:
 
   sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_excepthook
   gc.collect()
+
+
+class CheckpointWriteFailed(RuntimeError):
+  """A checkpoint that could not be written (a full disk, a read-only directory): the steps committed
+  before it are intact."""
+
+
+@contextlib.contextmanager
+def _writing(directory: str):
+  """Turns a failed write (raised by the save, or by a later wait for an asynchronous one) into one
+  :class:`CheckpointWriteFailed` line (a failed write leaves Orbax's tasks in a closed loop as a failed
+  read does: their noise kept quiet the same way)."""
+  _quiet_failed_reads()
+  try:
+    yield
+  except CheckpointWriteFailed:
+    raise
+  except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many kinds for one failed write
+    why = str(e).split("\n", 1)[0].split(" See full TensorStore details", 1)[0]
+    why = why if len(why) <= 300 else why[:300] + "..."
+    raise CheckpointWriteFailed(
+      f"{directory}: a checkpoint could not be written ({type(e).__name__}: {why}); the checkpoints committed "
+      "before it are intact: free space (or fix the directory) and rerun the same command to resume"
+    ) from e
 
 
 def _path_str(path) -> str:
@@ -380,11 +405,12 @@ class Checkpointer:
       raise PermissionError(f"{self.directory}: opened read-only")
     meta = {**meta, "schema_version": schema.SCHEMA_VERSION, "fingerprint": fingerprint(state)}
     schema.validate(meta)
-    self._mgr.save(
-      step,
-      args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-      force=True,
-    )
+    with _writing(self.directory):
+      self._mgr.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+        force=True,
+      )
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
@@ -569,11 +595,14 @@ class Checkpointer:
         self._mgr.delete(s)
 
   def wait(self) -> None:
-    self._mgr.wait_until_finished()
+    with _writing(self.directory):
+      self._mgr.wait_until_finished()
 
   def close(self) -> None:
-    self._mgr.wait_until_finished()
-    self._mgr.close()
+    try:
+      self.wait()
+    finally:
+      self._mgr.close()
 
 
 def abstract_like(tree: Any, mesh: jax.sharding.Mesh | None = None) -> Any:
