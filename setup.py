@@ -33,7 +33,7 @@ EXTRAS = {
   "test": [
     "pytest>=8",
     "ruff>=0.6",
-    # Oracles for tests and conversion: transformers on CPU torch (pin the CPU wheel).
+    # Oracles for tests and conversion: transformers on torch (the tests run it on the CPU).
     "torch==2.13.0",
     "transformers==5.24.0",
     "tokenizers>=0.22",

@@ -48,6 +48,8 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str | None
     CheckpointCorrupted: ``step`` (or, without it, every checkpoint) is unreadable or does not match its
       fingerprints.
   """
+  if best and not os.path.isdir(os.path.join(run_dir, "best")):
+    raise FileNotFoundError(f"{run_dir}: no best checkpoint (a run keeps one with --keep_best=METRIC)")
   ckpt = Checkpointer(os.path.join(run_dir, "best" if best else "checkpoints"), async_save=False, read_only=True)
   try:
     steps = [ckpt.resolve_step(step)] if step is not None else list(reversed(ckpt.all_steps()))

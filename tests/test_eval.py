@@ -523,6 +523,9 @@ def test_keep_best_keeps_the_best_evaluated_policy_beside_the_last_ones(tmp_path
   from mimo_jax.export import main as export_main
   from mimo_jax.models.hf import load_hf
 
+  assert export_main(["--run_dir", str(tmp_path), "--out", str(tmp_path / "hf"), "--best"]) == 2
+  err = capsys.readouterr().err
+  assert "no best checkpoint" in err and "--keep_best" in err
   assert export_main(["--run_dir", str(run_dir), "--out", str(tmp_path / "hf"), "--best"]) == 0
   assert f"exported checkpoint {kept[0]}" in capsys.readouterr().out
   ckpt = Checkpointer(str(run_dir / "best"), read_only=True)
