@@ -10,6 +10,8 @@ policy parameters (verifying their fingerprints) and writes them with
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import sys
 
@@ -66,10 +68,27 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str | None
     cfg = model_config_from_meta(meta)
     graphdef, abs_params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     nnx.replace_by_pure_dict(abs_params, _unwrap_variables(tree["params"]))
-    save_hf(nnx.merge(graphdef, abs_params), out, dtype=dtype)
+    save_hf(nnx.merge(graphdef, abs_params), out, dtype=dtype, tokenizer=_run_tokenizer(run_dir))
     return step
   finally:
     ckpt.close()
+
+
+def _run_tokenizer(run_dir: str):
+  """The run's tokenizer, rebuilt from its ``config.json`` as the trainer built it (its ids and stop ids
+  go into the export); None, with a warning, where it cannot be."""
+  from mimo_jax.eval.evaluator import load_run_config
+  from mimo_jax.tasks.registry import build_task
+
+  try:
+    cfg = load_run_config(run_dir)
+    # Nothing runs model-written code here: the sandbox decision is not this command's to make.
+    data = dataclasses.replace(cfg.data, allow_weak_sandbox=True)
+    with contextlib.redirect_stdout(sys.stderr):
+      return build_task(data, seed=cfg.run.seed, hf_checkpoint=cfg.model.hf_checkpoint)[1]
+  except (OSError, ValueError) as e:
+    print(f"warning: the run's tokenizer could not be rebuilt ({e}); the export has no token ids", file=sys.stderr)
+    return None
 
 
 def main(argv=None) -> int:

@@ -359,11 +359,13 @@ class SentencePieceTokenizer(Tokenizer):
   (:meth:`model_proto_bytes`).
   """
 
-  def __init__(self, model_proto: bytes) -> None:
+  def __init__(self, model_proto: bytes, *, more_stop_ids: Sequence[int] = ()) -> None:
     """Loads a model from its serialized proto.
 
     Args:
       model_proto: the bytes of a ``.model`` file.
+      more_stop_ids: other ids that end a generation besides EOS (a checkpoint directory's
+        ``config.json`` / ``generation_config.json`` ``eos_token_id`` lists).
 
     Raises:
       ValueError: if the model has no EOS piece.
@@ -378,6 +380,13 @@ class SentencePieceTokenizer(Tokenizer):
     self._eos = eos
     self._bos = bos if bos >= 0 else None
     self._pad = pad if pad >= 0 else eos
+    vocab = self._sp.get_piece_size()
+    self._stops = (eos, *dict.fromkeys(int(i) for i in more_stop_ids if int(i) != eos and 0 <= int(i) < vocab))
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """The EOS id, then the other end-of-sequence ids the directory's configs list."""
+    return self._stops
 
   @classmethod
   def from_file(cls, path: PathLike) -> SentencePieceTokenizer:
@@ -830,7 +839,13 @@ def load_tokenizer(path: PathLike) -> Tokenizer:
       return HFTokenizer.from_pretrained_dir(path)
     model_path = os.path.join(path, "tokenizer.model")
     if os.path.isfile(model_path):
-      return SentencePieceTokenizer.from_file(model_path)
+      # A model directory's other end-of-sequence ids (a chat model's end of turn) stop generation too.
+      more = []
+      for name in ("config.json", "generation_config.json"):
+        if os.path.isfile(os.path.join(path, name)):
+          more += _all_ids(_read_json(os.path.join(path, name)).get("eos_token_id"))
+      with open(model_path, "rb") as f:
+        return SentencePieceTokenizer(f.read(), more_stop_ids=more)
     raise FileNotFoundError(f"tokenizer directory {path!r} contains neither 'tokenizer.json' nor 'tokenizer.model'")
   if os.path.isfile(path):
     if path.endswith(".model"):

@@ -465,6 +465,20 @@ def test_export_loads_in_transformers(finished_run, tmp_path):
   with torch.no_grad():
     ref = hf(torch.tensor(tokens)).logits.numpy()
   np.testing.assert_allclose(np.asarray(ours(jax.numpy.asarray(tokens))), ref, atol=1e-4)
+  # The run's tokenizer goes with it: its special ids (transformers' generate ends at its end of
+  # sequence; without them it ran to its length limit) and its SentencePiece model.
+  from mimo_jax.main import parse_config
+  from mimo_jax.tasks.registry import build_task
+  from mimo_jax.tokenization import load_tokenizer
+
+  cfg = parse_config(["prog", *SMALL, f"--run_dir={finished_run}"])
+  _, run_tokenizer = build_task(cfg.data, seed=0)
+  generation = transformers.GenerationConfig.from_pretrained(str(out))
+  assert generation.eos_token_id == run_tokenizer.eos_id == hf.config.eos_token_id
+  assert (generation.bos_token_id, generation.pad_token_id) == (run_tokenizer.bos_id, run_tokenizer.pad_id)
+  exported = load_tokenizer(str(out))
+  text = "12+345=357 and 9*8=72"
+  assert exported.encode(text, add_bos=True, add_eos=True) == run_tokenizer.encode(text, add_bos=True, add_eos=True)
 
 
 def test_export_verifies_the_policy_and_passes_over_a_corrupted_checkpoint(finished_run, tmp_path, capsys):

@@ -488,6 +488,13 @@ def test_load_tokenizer_sentencepiece(sp_tok: SentencePieceTokenizer, tmp_path: 
   loaded = load_tokenizer(d)
   assert isinstance(loaded, SentencePieceTokenizer)
   assert loaded.encode("x = 1") == sp_tok.encode("x = 1")
+  assert loaded.stop_ids == (sp_tok.eos_id,)
+  # A model directory's other end-of-sequence ids stop generation too (they were ignored beside a
+  # tokenizer.model; a tokenizer.json took them), EOS first, each once.
+  eos = sp_tok.eos_id
+  (d / "config.json").write_text(json.dumps({"eos_token_id": [eos, 7]}))
+  (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+  assert load_tokenizer(d).stop_ids == (eos, 7, 9)
 
 
 def test_load_tokenizer_prefers_json_in_dir(sp_tok: SentencePieceTokenizer, tmp_path: Path) -> None:

@@ -717,7 +717,14 @@ def _to_host(x: jax.Array) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 
 
-def save_hf(model: Transformer, path: str, *, dtype: str | None = None, max_shard_bytes: int = 4 * 1024**3) -> None:
+def save_hf(
+  model: Transformer,
+  path: str,
+  *,
+  dtype: str | None = None,
+  max_shard_bytes: int = 4 * 1024**3,
+  tokenizer: Any = None,
+) -> None:
   """Writes ``model`` as a Hugging Face checkpoint directory that ``transformers`` loads.
 
   Args:
@@ -726,6 +733,10 @@ def save_hf(model: Transformer, path: str, *, dtype: str | None = None, max_shar
     dtype: tensor dtype on disk; the model's parameter dtype by default.
     max_shard_bytes: above this total size, tensors are split over several files
       with an index.
+    tokenizer: the policy's :class:`mimo_jax.tokenization.Tokenizer`: its special ids go into
+      ``config.json`` and ``generation_config.json`` (every stop id: ``generate`` ends at each), and a
+      SentencePiece model is written beside the weights as ``tokenizer.model``.  Without it, a loader
+      knows no end of sequence (``generate`` runs to its length limit).
   """
   cfg = model.config
   out_dtype = (
@@ -748,7 +759,7 @@ def save_hf(model: Transformer, path: str, *, dtype: str | None = None, max_shar
   meta = {"format": "pt"}
   if total <= max_shard_bytes:
     write_safetensors(os.path.join(path, "model.safetensors"), tensors, meta)
-    _finish_export(path, ["model.safetensors"], config_to_hf(cfg, torch_dtype=torch_dtype))
+    _finish_export(path, ["model.safetensors"], config_to_hf(cfg, torch_dtype=torch_dtype), tokenizer)
     return
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
@@ -767,7 +778,7 @@ def save_hf(model: Transformer, path: str, *, dtype: str | None = None, max_shar
     os.path.join(path, "model.safetensors.index.json"), {"metadata": {"total_size": total}, "weight_map": weight_map}
   )
   files = ["model.safetensors.index.json", *sorted(set(weight_map.values()))]
-  _finish_export(path, files, config_to_hf(cfg, torch_dtype=torch_dtype))
+  _finish_export(path, files, config_to_hf(cfg, torch_dtype=torch_dtype), tokenizer)
 
 
 _WEIGHT_FILE = re.compile(r"model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors")
@@ -780,14 +791,29 @@ def _write_json(path: str, obj: Any) -> None:
   os.replace(tmp, path)
 
 
-def _finish_export(path: str, written: Sequence[str], config: Mapping[str, Any]) -> None:
+def _finish_export(path: str, written: Sequence[str], config: Mapping[str, Any], tokenizer: Any = None) -> None:
   """After the weights: removes the weight files of an earlier export in ``path`` that this one did not
   write (a single file left beside new shards, or shards beside a new single file, would be a second
-  model that some loader picks), then writes ``config.json`` last."""
+  model that some loader picks), writes the tokenizer's files, then ``config.json`` last."""
   keep = set(written)
   for name in os.listdir(path):
     if _WEIGHT_FILE.fullmatch(name) and name not in keep:
       os.remove(os.path.join(path, name))
+  config = dict(config)
+  generation = os.path.join(path, "generation_config.json")
+  if tokenizer is None:
+    if os.path.exists(generation):  # an earlier export's, of another tokenizer maybe
+      os.remove(generation)
+  else:
+    stops = [int(i) for i in tokenizer.stop_ids]
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": stops[0], "pad_token_id": int(tokenizer.pad_id)}
+    config.update(ids)
+    _write_json(generation, {**ids, "eos_token_id": stops if len(stops) > 1 else stops[0]})
+    if hasattr(tokenizer, "model_proto_bytes"):
+      tmp = os.path.join(path, "tokenizer.model.tmp")
+      with open(tmp, "wb") as f:
+        f.write(tokenizer.model_proto_bytes())
+      os.replace(tmp, os.path.join(path, "tokenizer.model"))
   _write_json(os.path.join(path, "config.json"), config)
 
 
