@@ -80,22 +80,28 @@ def _unreadable(step: int, e: BaseException) -> CheckpointCorrupted:
 def _quiet_failed_reads() -> None:
   """Orbax runs a restore's reads as tasks of an event loop that it closes as soon as one read fails.
   The reads still in flight then end in a closed loop (TensorStore's callbacks print "Event loop is
-  closed" through ``sys.excepthook``), and their coroutines, collected whenever the garbage collector
+  closed" through ``sys.excepthook`` or, as a bare traceback, ``sys.unraisablehook``), and their coroutines, collected whenever the garbage collector
   runs, print one "Exception ignored" traceback each, with a page of TensorStore spec: dozens, in the
   middle of the resumed run's output, for a failure already reported in one line.  From the first
   restore on (some are collected before the failure reaches its handler), this process leaves those two
   kinds out (every other exception prints as before)."""
   unraisable, excepthook = sys.unraisablehook, sys.excepthook
 
+  def closed_loop(kind, value, tb) -> bool:
+    top = tb.tb_frame.f_code.co_filename if tb is not None else ""
+    is_closed = kind is RuntimeError and str(value) == "Event loop is closed"
+    return is_closed and top.endswith(os.path.join("asyncio", "base_events.py"))
+
   def quiet_unraisable(u):
     code = getattr(u.object, "cr_code", None)
-    if code is None or f"{os.sep}orbax{os.sep}" not in code.co_filename:
+    if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+      return
+    # TensorStore reports a callback into the closed loop as an unraisable of no object (a bare traceback).
+    if not closed_loop(*(getattr(u, k, None) for k in ("exc_type", "exc_value", "exc_traceback"))):
       unraisable(u)
 
   def quiet_excepthook(kind, value, tb):
-    top = tb.tb_frame.f_code.co_filename if tb is not None else ""
-    closed_loop = kind is RuntimeError and str(value) == "Event loop is closed"
-    if not (closed_loop and top.endswith(os.path.join("asyncio", "base_events.py"))):
+    if not closed_loop(kind, value, tb):
       excepthook(kind, value, tb)
 
   sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_excepthook
