@@ -70,10 +70,14 @@ def layout_differences(stored: Any, target: Any, limit: int = 3) -> list[str]:
 def _unreadable(step: int, e: BaseException) -> CheckpointCorrupted:
   """The error for a read of ``step`` that raised ``e``: its first line, without the TensorStore spec
   Orbax appends (a page of JSON)."""
-  why = str(e).split("\n", 1)[0].split(" See full TensorStore details", 1)[0]
-  why = why.rstrip(". ") if len(why) <= 300 else why[:300] + "..."
   _quiet_failed_reads()
-  return CheckpointCorrupted(f"checkpoint {step} could not be read: {type(e).__name__}: {why}")
+  return CheckpointCorrupted(f"checkpoint {step} could not be read: {type(e).__name__}: {_first_line(e)}")
+
+
+def _first_line(e: BaseException) -> str:
+  """An Orbax or TensorStore error's first line, without the TensorStore spec it appends (a page of JSON)."""
+  why = str(e).split("\n", 1)[0].split(" See full TensorStore details", 1)[0]
+  return why.rstrip(". ") if len(why) <= 300 else why[:300] + "..."
 
 
 @functools.cache
@@ -124,10 +128,8 @@ def _writing(directory: str):
   except CheckpointWriteFailed:
     raise
   except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many kinds for one failed write
-    why = str(e).split("\n", 1)[0].split(" See full TensorStore details", 1)[0]
-    why = why if len(why) <= 300 else why[:300] + "..."
     raise CheckpointWriteFailed(
-      f"{directory}: a checkpoint could not be written ({type(e).__name__}: {why}); the checkpoints committed "
+      f"{directory}: a checkpoint could not be written ({type(e).__name__}: {_first_line(e)}); the checkpoints committed "
       "before it are intact: free space (or fix the directory) and rerun the same command to resume"
     ) from e
 
