@@ -24,8 +24,8 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-  # Hugging Face tokenizer.json support (Llama-3 / Qwen tokenizers).
-  "hf": ["tokenizers>=0.22"],
+  # Hugging Face tokenizer.json support (Llama-3 / Qwen tokenizers) and their chat templates (--chat_template=model).
+  "hf": ["tokenizers>=0.22", "jinja2>=3.1"],
   # The run and sweep reports' plots (python -m mimo_jax.report, python -m mimo_jax.sweep).
   "report": ["matplotlib==3.10.9"],
   # Weights & Biases logging (--wandb_project); TensorBoard and the run directory's files stay the default.
@@ -37,6 +37,7 @@ EXTRAS = {
     "torch==2.13.0",
     "transformers==5.24.0",
     "tokenizers>=0.22",
+    "jinja2>=3.1",  # chat templates (also a dependency of torch; named so those tests never skip)
     # The math reward's symbolic-equivalence tests (also a dependency of torch; named so they never skip).
     "sympy>=1.12",
     # The sweep fit's least-squares oracle (also a dependency of jax; named because a test imports it).

@@ -27,6 +27,8 @@ from mimo_jax.sharding import MeshConfig, validate_model_on_mesh
 DTYPE_CHOICES = ("", "float32", "bfloat16", "float16")
 # The trainer's tasks (--task), and those that read prompt files (--data_path / --eval_data_path).
 TASK_NAMES = ("arith", "gsm8k", "humaneval", "jsonl")
+# --chat_template: a prompt as the task writes it, or through the tokenizer's own chat template.
+CHAT_TEMPLATES = ("none", "model")
 FILE_TASKS = ("gsm8k", "humaneval", "jsonl")
 # The tasks whose evaluation extracts an answer to vote on (maj@K): eval.evaluator.DEFAULT_ANSWER_FNS.
 MAJORITY_TASKS = ("arith", "gsm8k")
@@ -490,6 +492,13 @@ class DataConfig:
     "", "Held-out prompts file (gsm8k/humaneval/jsonl; in a mixture, its one file task); empty: the shipped sample."
   )
   tokenizer_path: str = field("", "Tokenizer (.model, tokenizer.json or an HF directory); empty: built-in.")
+  chat_template: str = field(
+    "none",
+    "How a prompt reaches the policy: none (the task's text after BOS) or model (the one user message of a "
+    "conversation rendered by the tokenizer's own chat template, tokenizer_config.json's or chat_template.jinja, "
+    "as transformers renders it; for instruction-tuned models; needs --tokenizer_path or --hf_checkpoint).",
+    choices=CHAT_TEMPLATES,
+  )
   prompts_per_step: int = field(8, "Prompts per training step (each sampled num_samples times).", ge=1)
   eval_prompts: int = field(64, "Held-out prompts per evaluation.", ge=0)
   arith_levels: tuple[int, ...] = field(
@@ -1022,6 +1031,13 @@ def validate(cfg: Config, num_devices: int) -> None:
   cfg.mesh.resolve(num_devices)
   if not cfg.model.hf_checkpoint:
     validate_model_on_mesh(cfg.model.model_config(), cfg.mesh, num_devices)
+  check(
+    cfg.data.chat_template == "none" or bool(cfg.data.tokenizer_path or cfg.model.hf_checkpoint),
+    "chat_template",
+    cfg.data.chat_template,
+    "renders prompts with a model tokenizer's own chat template: pass --tokenizer_path or --hf_checkpoint "
+    "(the built-in tokenizers have none); allowed values: " + ", ".join(CHAT_TEMPLATES),
+  )
   if cfg.checkpoint.keep_best:
     check(
       cfg.data.eval_prompts > 0,

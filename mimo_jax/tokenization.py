@@ -21,6 +21,13 @@ Conventions shared by both backends:
 * ``pad_id`` is always a valid id (falls back to EOS), so padded arrays can be fed to an
   embedding lookup without masking the ids first.
 
+* A model's own chat template (``chat_template`` in ``tokenizer_config.json``, or
+  ``chat_template.jinja`` beside it) is rendered the way Hugging Face ``transformers`` renders
+  it (Jinja in a sandbox, ``trim_blocks`` / ``lstrip_blocks``) and the rendered text is encoded
+  with its special tokens recognised and nothing added, as ``apply_chat_template(...,
+  tokenize=True)`` does there (:meth:`Tokenizer.encode_chat`).  With ``--chat_template=model`` a
+  run's prompts go through it (:meth:`Tokenizer.with_chat_prompts`).
+
 :func:`train_sentencepiece` trains a small lossless model in memory, mostly for tests
 and toy experiments; :func:`load_tokenizer` picks a backend from a path on disk.
 """
@@ -28,7 +35,10 @@ and toy experiments; :func:`load_tokenizer` picks a backend from a path on disk.
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
+import datetime
+import functools
 import io
 import json
 import operator
@@ -55,6 +65,8 @@ __all__ = [
 ]
 
 CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant")
+# Where a Hugging Face model directory keeps its chat template when not in tokenizer_config.json.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 PathLike = str | os.PathLike[str]
 
@@ -284,32 +296,80 @@ class Tokenizer(abc.ABC):
       mask[b, start : start + n] = True
     return PaddedBatch(ids=ids, mask=mask, lengths=lengths)
 
+  @property
+  def chat_template(self) -> str | None:
+    """The model's own chat template (Jinja source), or None when the tokenizer ships none."""
+    return None
+
+  @property
+  def chat_prompts(self) -> bool:
+    """Whether :meth:`encode_prompt` renders a prompt through :attr:`chat_template` (:meth:`with_chat_prompts`)."""
+    return getattr(self, "_chat_prompts", False)
+
+  def with_chat_prompts(self) -> Tokenizer:
+    """This tokenizer, with :meth:`encode_prompt` rendering each prompt as the one user message of a
+    conversation through the model's :attr:`chat_template` (a copy; this one is unchanged).
+
+    Raises:
+      ValueError: if the tokenizer has no chat template.
+    """
+    if self.chat_template is None:
+      raise ValueError(
+        "this tokenizer has no chat template (an HF directory's tokenizer_config.json 'chat_template' "
+        f"or {CHAT_TEMPLATE_FILE})"
+      )
+    chat = copy.copy(self)
+    chat._chat_prompts = True
+    return chat
+
+  def encode_prompt(self, text: str) -> list[int]:
+    """A task's prompt as the policy reads it: the text after BOS (when the tokenizer has one); with
+    :meth:`with_chat_prompts`, the one user message of a conversation rendered by the model's chat
+    template, ending where the assistant's turn begins (:meth:`encode_chat`)."""
+    if self.chat_prompts:
+      return self.encode_chat([{"role": "user", "content": text}])
+    return self.encode(text, add_bos=self.bos_id is not None)
+
   def apply_chat_template(
     self,
-    messages: Sequence[Mapping[str, str]],
+    messages: Sequence[Mapping[str, Any]],
     *,
     add_generation_prompt: bool = True,
   ) -> str:
-    """Renders a conversation with the package's simple chat format.
+    """Renders a conversation: with the model's own :attr:`chat_template` when it has one, else with
+    the package's simple chat format.
 
-    Each message becomes ``"<|{role}|>\\n{content}\\n"``; the result is a string (not ids)
-    so callers choose whether to add BOS when encoding it.
+    The model's template is rendered as ``transformers`` renders it (the messages,
+    ``add_generation_prompt`` and the special tokens' texts as ``bos_token`` / ``eos_token`` /
+    ``pad_token`` / ``unk_token``).  The simple format makes each message
+    ``"<|{role}|>\\n{content}\\n"``.  The result is a string (not ids): :meth:`encode_chat` encodes it.
 
     Args:
-      messages: mappings with ``"role"`` (one of :data:`CHAT_ROLES`) and ``"content"``.
-      add_generation_prompt: append ``"<|assistant|>\\n"`` so the model continues as the
-        assistant.
+      messages: mappings with ``"role"`` and ``"content"`` (the simple format: a role of
+        :data:`CHAT_ROLES` and string content).
+      add_generation_prompt: end where the assistant's reply begins (the simple format appends
+        ``"<|assistant|>\\n"``).
 
     Returns:
       The rendered conversation.
 
     Raises:
-      ValueError: if a message lacks a key, has an unknown role, or non-string content.
+      ValueError: if a message lacks a key, has an unknown role, or non-string content, or the model's
+        template fails (its own ``raise_exception``, a syntax error).
     """
+    for i, message in enumerate(messages):
+      if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+        keys = sorted(message) if isinstance(message, Mapping) else type(message).__name__
+        raise ValueError(f"messages[{i}] must have 'role' and 'content' keys, got {keys}")
+    if self.chat_template is not None:
+      return _render_chat_template(
+        self.chat_template,
+        messages=[dict(m) for m in messages],
+        add_generation_prompt=add_generation_prompt,
+        **self._special_token_texts(),
+      )
     pieces: list[str] = []
     for i, message in enumerate(messages):
-      if "role" not in message or "content" not in message:
-        raise ValueError(f"messages[{i}] must have 'role' and 'content' keys, got keys {sorted(message)}")
       role, content = message["role"], message["content"]
       if role not in CHAT_ROLES:
         raise ValueError(f"messages[{i}] has role {role!r}; expected one of {CHAT_ROLES}")
@@ -319,6 +379,27 @@ class Tokenizer(abc.ABC):
     if add_generation_prompt:
       pieces.append("<|assistant|>\n")
     return "".join(pieces)
+
+  def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+    """A conversation's ids, :meth:`apply_chat_template` then encoded.
+
+    The model's own template writes its special tokens (a turn's start and end, a BOS where the model
+    wants one) as text: they are encoded as their ids, and nothing is added, as ``transformers``'
+    ``apply_chat_template(..., tokenize=True)`` does.  The simple format's text is encoded like any
+    prompt (after BOS when there is one; its markers are text).
+    """
+    text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    if self.chat_template is None:
+      return self.encode(text, add_bos=self.bos_id is not None)
+    return self._encode_with_specials(text)
+
+  def _special_token_texts(self) -> dict[str, str]:
+    """The special tokens' texts a chat template reads (``bos_token``, ``eos_token``, ...)."""
+    return {}
+
+  def _encode_with_specials(self, text: str) -> list[int]:
+    """Encodes ``text`` with the special tokens written in it recognised as their ids, nothing added."""
+    raise NotImplementedError(f"{type(self).__name__} renders no model chat template")
 
   # ---- helpers -------------------------------------------------------------------
 
@@ -570,6 +651,91 @@ def train_sentencepiece(
 
 
 # ======================================================================================
+# A model's chat template
+# ======================================================================================
+
+
+class ChatTemplateError(ValueError):
+  """A model's chat template refused the conversation (its ``raise_exception``) or failed to render."""
+
+
+def _template_error(message: str) -> None:
+  raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
+  # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON, non-ASCII kept.
+  return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_chat_template(source: str) -> Any:
+  """``source`` compiled in a sandboxed Jinja environment set up as chat templates expect."""
+  try:
+    import jinja2
+    from jinja2 import ext, sandbox
+  except ImportError as e:
+    raise ImportError("a model's chat template needs jinja2: pip install jinja2 (part of the `hf` extra)") from e
+
+  class GenerationBlock(ext.Extension):
+    """``{% generation %} ... {% endgeneration %}`` (it marks the assistant's tokens for a training
+    mask elsewhere): rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+      next(parser.stream)
+      return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+  env = sandbox.ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, ext.loopcontrols]
+  )
+  env.filters["tojson"] = _tojson
+  env.globals["raise_exception"] = _template_error
+  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+  try:
+    return env.from_string(source)
+  except jinja2.TemplateError as e:
+    raise ChatTemplateError(f"the chat template does not compile: {e}") from e
+
+
+def _render_chat_template(source: str, **context: Any) -> str:
+  import jinja2
+
+  template = _compile_chat_template(source)
+  try:
+    return template.render(**context)
+  except ChatTemplateError:
+    raise
+  except jinja2.TemplateError as e:
+    raise ChatTemplateError(f"the chat template failed to render: {e}") from e
+
+
+def _chat_template_of(config_dir: str, tok_config: Mapping[str, Any]) -> str | None:
+  """A model directory's chat template: ``chat_template.jinja`` if present, else ``tokenizer_config.json``'s
+  ``chat_template`` (a string, or a list of named templates, of which ``default`` is taken)."""
+  path = os.path.join(config_dir, CHAT_TEMPLATE_FILE)
+  if os.path.isfile(path):
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  value = tok_config.get("chat_template")
+  if value is None or isinstance(value, str):
+    return value
+  if isinstance(value, list):
+    named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+    if isinstance(named.get("default"), str):
+      return named["default"]
+    raise ValueError(
+      f"tokenizer_config.json in {config_dir!r}: chat_template lists templates {sorted(map(str, named))} "
+      "but none named 'default'"
+    )
+  raise ValueError(
+    f"tokenizer_config.json in {config_dir!r}: chat_template must be a string or a list of named templates, "
+    f"got {type(value).__name__}"
+  )
+
+
+# ======================================================================================
 # Hugging Face tokenizers
 # ======================================================================================
 
@@ -626,6 +792,8 @@ class HFTokenizer(Tokenizer):
     bos_id: int | None = None,
     pad_id: int | None = None,
     more_stop_ids: Sequence[int] = (),
+    chat_template: str | None = None,
+    template_tokens: Mapping[str, str] | None = None,
   ) -> None:
     """Wraps an existing ``tokenizers.Tokenizer``.
 
@@ -635,6 +803,9 @@ class HFTokenizer(Tokenizer):
       bos_id: the BOS id, or None if there is none.
       pad_id: the pad id; None falls back to ``eos_id``.
       more_stop_ids: other ids that end a generation (a chat model's end-of-turn), after ``eos_id``.
+      chat_template: the model's chat template (Jinja source), if it has one.
+      template_tokens: the special tokens' texts the template reads (``bos_token``, ``eos_token``, ...);
+        None: those of ``bos_id`` / ``eos_id`` / ``pad_id``.
 
     Raises:
       ValueError: if a given id is outside the vocabulary.
@@ -654,6 +825,9 @@ class HFTokenizer(Tokenizer):
     self._stops = tuple(dict.fromkeys((self._eos, *(int(i) for i in more_stop_ids))))
     self._bos = None if bos_id is None else int(bos_id)
     self._pad = self._eos if pad_id is None else int(pad_id)
+    self._chat_template = chat_template
+    self._template_tokens = None if template_tokens is None else dict(template_tokens)
+    self._with_specials: tokenizers.Tokenizer | None = None
 
   @classmethod
   def from_file(
@@ -721,6 +895,7 @@ class HFTokenizer(Tokenizer):
     ids: dict[str, int | None] = {"bos": None, "eos": None, "pad": None}
     decided: set[str] = set()  # set in tokenizer_config.json, a null included: config.json does not override it
     tok_config_path = os.path.join(config_dir, "tokenizer_config.json")
+    tok_config: dict[str, Any] = {}
     if os.path.isfile(tok_config_path):
       tok_config = _read_json(tok_config_path)
       for kind in ids:
@@ -732,6 +907,7 @@ class HFTokenizer(Tokenizer):
       if tok_config.get("add_bos_token") is False:  # (Qwen) transformers adds no BOS: neither do prompts here
         ids["bos"] = None
         decided.add("bos")
+    chat_template = _chat_template_of(config_dir, tok_config)
     model_config_path = os.path.join(config_dir, "config.json")
     more_eos: list[int] = []  # a chat model's other end-of-sequence ids (end of turn): they stop generation too
     if os.path.isfile(model_config_path):
@@ -750,7 +926,23 @@ class HFTokenizer(Tokenizer):
         f"could not determine the EOS token for {json_path!r}: looked for 'eos_token' in {tok_config_path!r} "
         f"and 'eos_token_id' in {model_config_path!r}"
       )
-    return cls(tok, eos_id=eos, bos_id=ids["bos"], pad_id=ids["pad"], more_stop_ids=more_eos)
+    return cls(
+      tok,
+      eos_id=eos,
+      bos_id=ids["bos"],
+      pad_id=ids["pad"],
+      more_stop_ids=more_eos,
+      chat_template=chat_template,
+      # As transformers hands them to a template: tokenizer_config.json's texts, a BOS the model does not
+      # add included (a template may write it itself); without that file, the ids' texts.
+      template_tokens={
+        f"{kind}_token": text
+        for kind in ("bos", "eos", "pad", "unk")
+        if (text := _token_content(tok_config.get(f"{kind}_token"))) is not None
+      }
+      if tok_config
+      else None,
+    )
 
   @staticmethod
   def _lookup(tok: tokenizers.Tokenizer, token: str, what: str, source: PathLike) -> int:
@@ -788,6 +980,55 @@ class HFTokenizer(Tokenizer):
   def pad_id(self) -> int:
     """The pad id, or the EOS id if none was configured."""
     return self._pad
+
+  @property
+  def chat_template(self) -> str | None:
+    """The chat template of ``chat_template.jinja`` or ``tokenizer_config.json``, or None."""
+    return self._chat_template
+
+  def _special_token_texts(self) -> dict[str, str]:
+    if self._template_tokens is not None:
+      return dict(self._template_tokens)
+    named = {"bos_token": self._bos, "eos_token": self._eos, "pad_token": self._pad}
+    return {name: self._tok.id_to_token(i) for name, i in named.items() if i is not None}
+
+  def save_pretrained(self, directory: PathLike) -> None:
+    """Writes ``tokenizer.json`` and a ``tokenizer_config.json`` (the special tokens, the chat template)
+    into ``directory``: what ``transformers``' ``AutoTokenizer`` and :func:`load_tokenizer` read back as
+    this tokenizer."""
+    directory = os.fspath(directory)
+    tk = _import_tokenizers()
+    backend = tk.Tokenizer.from_str(self._tok.to_str())
+    backend.encode_special_tokens = False  # a loader's own default: specials in a text are specials there
+    texts = self._special_token_texts()
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    config.update({name: texts.get(name) for name in ("bos_token", "eos_token", "pad_token")})
+    if "unk_token" in texts:
+      config["unk_token"] = texts["unk_token"]
+    if self._bos is None:
+      config["add_bos_token"] = False
+    if self._chat_template is not None:
+      config["chat_template"] = self._chat_template
+    for name, write in (("tokenizer.json", backend.save), ("tokenizer_config.json", None)):
+      tmp = os.path.join(directory, name + ".tmp")
+      if write is not None:
+        write(tmp)
+      else:
+        with open(tmp, "w", encoding="utf-8") as f:
+          json.dump(config, f, indent=2, ensure_ascii=False)
+      os.replace(tmp, os.path.join(directory, name))
+    stale = os.path.join(directory, CHAT_TEMPLATE_FILE)  # an earlier export's template would win over this one's
+    if os.path.exists(stale):
+      os.remove(stale)
+
+  def _encode_with_specials(self, text: str) -> list[int]:
+    # A second backend that matches special tokens in the text (this one encodes them as text).
+    if self._with_specials is None:
+      tk = _import_tokenizers()
+      backend = tk.Tokenizer.from_str(self._tok.to_str())
+      backend.encode_special_tokens = False
+      self._with_specials = backend
+    return list(self._with_specials.encode(text, add_special_tokens=False).ids)
 
   def _encode_plain(self, texts: list[str]) -> list[list[int]]:
     if not texts:

@@ -24,6 +24,8 @@ from mimo_jax.tokenization import (
 
 tokenizers = pytest.importorskip("tokenizers")
 
+from mimo_jax.testing.hf_models import CHATML_TEMPLATE, save_chat_tokenizer  # noqa: E402
+
 VOCAB_SIZE = 600
 
 # Strings that a lossy normaliser would mangle: whitespace runs, leading/trailing spaces,
@@ -563,3 +565,130 @@ def test_a_prompt_cut_to_the_largest_bucket_keeps_its_bos():
   assert cut == 1 and mask[0].all() and tokens[0].tolist() == [tok.bos_id, *ids[2:]]
   assert _encode_prompt(tok, text, 7) == ([tok.bos_id, *ids[2:]], True)
   assert _encode_prompt(tok, text, 8) == (ids, False)
+
+
+# ---------------------------------------------------------------------------------------
+# A model's own chat template, against transformers
+
+# A template in the style of Llama 3's, written over lines as real ones are (block tags' newlines and
+# indentation are trimmed): it writes the BOS itself, trims contents, marks the reply with {% generation %}.
+HEADER_TEMPLATE = """{{- bos_token }}
+{% for message in messages %}
+    {{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}
+    {% if message['role'] == 'assistant' %}
+        {% generation %}{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}
+    {% else %}
+        {{ message['content'] | trim + '<|eot_id|>' }}
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+    {{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{% endif %}
+"""
+CONVERSATIONS = [
+  [{"role": "user", "content": "What is 12 + 30?"}],
+  [{"role": "system", "content": "Answer tersely."}, {"role": "user", "content": "  Und 7 × 6?  \n"}],
+  [
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "2 + 3 = 5. #### 5"},
+    {"role": "user", "content": "And <|im_end|> then?"},
+  ],
+]
+
+
+def _chat_model_dir(directory: Path, template, **config: object) -> Path:
+  return Path(save_chat_tokenizer(str(directory), template, **config))
+
+
+def _transformers_chat(directory: Path, messages, add_generation_prompt: bool) -> tuple[str, list[int]]:
+  transformers = pytest.importorskip("transformers")
+  hf = transformers.AutoTokenizer.from_pretrained(str(directory))
+  text = hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+  ids = hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+  return text, list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+@pytest.mark.parametrize(
+  "template, config",
+  [
+    (CHATML_TEMPLATE, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}),
+    (HEADER_TEMPLATE, {"eos_token": "<|eot_id|>", "bos_token": "<|begin_of_text|>"}),
+  ],
+  ids=["chatml", "header"],
+)
+def test_a_models_chat_template_renders_and_encodes_as_transformers_does(tmp_path: Path, template, config) -> None:
+  """``apply_chat_template`` renders an HF tokenizer's own template, and ``encode_chat`` encodes it, to
+  the text and ids of transformers' ``apply_chat_template`` (tokenize False and True): the specials the
+  template writes are their ids, a BOS the template writes is there once, nothing is added."""
+  d = _chat_model_dir(tmp_path / "chat", template, **config)
+  tok = load_tokenizer(d)
+  assert tok.chat_template == template
+  for messages in CONVERSATIONS:
+    for generation_prompt in (True, False):
+      text, ids = _transformers_chat(d, messages, generation_prompt)
+      assert tok.apply_chat_template(messages, add_generation_prompt=generation_prompt) == text
+      assert tok.encode_chat(messages, add_generation_prompt=generation_prompt) == ids
+  ids = tok.encode_chat(CONVERSATIONS[0])
+  starts = [tok.backend.token_to_id(t) for t in ("<|im_start|>", "<|start_header_id|>")]
+  assert ids.count(starts[0]) + ids.count(starts[1]) == 3 - (template == HEADER_TEMPLATE)
+  if template == HEADER_TEMPLATE:  # the template's BOS, once, and the tokenizer's BOS is the same token
+    assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
+  else:
+    assert tok.bos_id is None
+  # Plain encoding still reads a special token written in a text as text.
+  assert tok.backend.token_to_id("<|im_end|>") not in tok.encode("x <|im_end|> y")
+
+
+def test_chat_prompts_go_through_the_template_only_when_asked(tmp_path: Path, sp_tok: SentencePieceTokenizer) -> None:
+  """``with_chat_prompts`` is a copy whose ``encode_prompt`` is the one user message through the
+  template (what ``encode_prompts`` then left-pads); the original still encodes the text after BOS.
+  A tokenizer without a template refuses it."""
+  from mimo_jax.rollout.encoding import encode_prompts
+
+  d = _chat_model_dir(tmp_path / "chat", CHATML_TEMPLATE, eos_token="<|im_end|>", bos_token=None)
+  tok = load_tokenizer(d)
+  chat = tok.with_chat_prompts()
+  prompt = "What is 12 + 30?"
+  assert chat.chat_prompts and not tok.chat_prompts
+  assert chat.encode_prompt(prompt) == _transformers_chat(d, [{"role": "user", "content": prompt}], True)[1]
+  assert tok.encode_prompt(prompt) == tok.encode(prompt)
+  tokens, mask, cut = encode_prompts(chat, [prompt, "2 + 3?"], (64,))
+  assert cut == 0 and tokens[0][mask[0]].tolist() == chat.encode_prompt(prompt)
+  assert tokens[1][mask[1]].tolist() == chat.encode_prompt("2 + 3?")
+  plain = _save_hf_dir(tmp_path / "plain", _word_level_tokenizer(), {"eos_token": "</s>"})
+  with pytest.raises(ValueError, match="no chat template"):
+    load_tokenizer(plain).with_chat_prompts()
+  with pytest.raises(ValueError, match="no chat template"):
+    sp_tok.with_chat_prompts()
+
+
+def test_chat_template_sources_and_failures(tmp_path: Path) -> None:
+  """``chat_template.jinja`` beside the config wins over the config's entry (as transformers reads a
+  directory); a list of named templates gives its ``default``; a list without one is refused at load;
+  the template's own ``raise_exception`` and a syntax error are a ``ChatTemplateError``."""
+  from mimo_jax.tokenization import ChatTemplateError
+
+  d = _chat_model_dir(tmp_path / "file", "{{ 'ignored' }}", eos_token="<|im_end|>")
+  (d / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+  tok = load_tokenizer(d)
+  assert tok.chat_template == CHATML_TEMPLATE
+  assert tok.apply_chat_template(CONVERSATIONS[0]) == _transformers_chat(d, CONVERSATIONS[0], True)[0]
+  named = [{"name": "tool_use", "template": "{{ 'tools' }}"}, {"name": "default", "template": CHATML_TEMPLATE}]
+  d = _chat_model_dir(tmp_path / "named", named, eos_token="<|im_end|>")
+  assert load_tokenizer(d).chat_template == CHATML_TEMPLATE
+  d = _chat_model_dir(tmp_path / "nodefault", named[:1], eos_token="<|im_end|>")
+  with pytest.raises(ValueError, match=r"\['tool_use'\] but none named 'default'"):
+    load_tokenizer(d)
+  tok = load_tokenizer(_chat_model_dir(tmp_path / "raise", CHATML_TEMPLATE, eos_token="<|im_end|>"))
+  with pytest.raises(ChatTemplateError, match="unknown role tool"):
+    tok.encode_chat([{"role": "tool", "content": "{}"}])
+  with pytest.raises(ValueError, match=r"messages\[0\].*'role' and 'content'"):
+    tok.encode_chat([{"role": "user"}])
+  # The template's JSON is plain JSON, non-ASCII and HTML characters kept (Jinja's own tojson escapes them).
+  d = _chat_model_dir(tmp_path / "json", "{{ messages[0] | tojson }}", eos_token="<|im_end|>")
+  messages = [{"role": "user", "content": "<7 × 6> & 'x'"}]
+  assert load_tokenizer(d).apply_chat_template(messages) == _transformers_chat(d, messages, True)[0]
+  assert load_tokenizer(d).apply_chat_template(messages) == '{"role": "user", "content": "<7 × 6> & \'x\'"}'
+  broken = load_tokenizer(_chat_model_dir(tmp_path / "broken", "{% for m in messages %}", eos_token="<|im_end|>"))
+  with pytest.raises(ChatTemplateError, match="does not compile"):
+    broken.encode_chat(CONVERSATIONS[0])

@@ -1054,3 +1054,63 @@ def test_the_warm_start_takes_its_own_optimizer_flags_not_the_rl_policys(tmp_pat
   # The warm start's own clip does apply (the tiny model's SFT gradients are far above 0.05).
   clipped = warm("sft_clip", "--sft_grad_clip=0.05")
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(clipped), strict=True))
+
+
+def test_a_run_with_chat_prompts_reads_every_prompt_through_the_models_template(tmp_path):
+  """``--chat_template=model``: the SFT, RL and held-out prompts all reach the policy through the
+  tokenizer's own chat template.  Seen in the run's own records: at a 16-token bucket, which holds every
+  prompt's plain text, every one is cut (the template wraps it in a system and a user turn), in each of
+  the three paths.  Without a tokenizer, or with one that has no template, the flag is refused before
+  any compute (exit 2, naming it)."""
+  from mimo_jax.tasks.registry import build_task
+  from mimo_jax.testing.hf_models import save_chat_tokenizer
+  from mimo_jax.tokenization import load_tokenizer
+
+  d = save_chat_tokenizer(str(tmp_path / "tok"), corpus=("12+30=42 7+5=12",), eos_token="<|im_end|>")
+  path = os.path.join(ROOT, "experiments", "grpo_tiny.flags")
+  flags = [f"--flagfile={path}", *FAST, "--prompt_buckets=16", f"--tokenizer_path={d}"]
+  run = tmp_path / "run"
+  assert main(["prog", *flags, "--chat_template=model", f"--run_dir={run}"]) == 0
+  records = [json.loads(line) for line in open(run / "metrics.jsonl")]
+  sft = [r for r in records if "sft_prompt_truncated" in r]
+  rl = [r for r in records if "prompt_truncated" in r]
+  evals = [r for r in records if "eval/prompt_truncated" in r]
+  assert sft and rl and evals
+  assert sum(r["sft_prompt_truncated"] for r in sft) == 6 * 16  # every SFT prompt of the 6 steps
+  assert all(r["prompt_truncated"] == 8 for r in rl)
+  assert all(r["eval/prompt_truncated"] == 16 for r in evals)
+  # The same prompts as plain text fit the bucket: the cut is the template's.
+  cfg = parse_config(["prog", *flags, f"--run_dir={tmp_path / 'plain'}"])
+  task, tokenizer = build_task(cfg.data, seed=0)
+  assert not tokenizer.chat_prompts and max(len(tokenizer.encode_prompt(p.prompt)) for p in task.heldout()) <= 16
+  chat_cfg = parse_config(["prog", *flags, "--chat_template=model", f"--run_dir={tmp_path / 'chat'}"])
+  _, chat = build_task(chat_cfg.data, seed=0)
+  p = task.heldout()[0].prompt
+  assert chat.encode_prompt(p) == chat.encode_chat([{"role": "user", "content": p}]) != tokenizer.encode_prompt(p)
+  # The export carries the tokenizer and its template: transformers reads it back as the run's.
+  from mimo_jax import export
+
+  transformers = pytest.importorskip("transformers")
+  assert export.main(["--run_dir", str(run), "--out", str(tmp_path / "out")]) == 0
+  hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+  ids = hf.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+  assert list(ids if isinstance(ids, list) else ids["input_ids"]) == chat.encode_prompt(p)
+  assert hf.eos_token == "<|im_end|>"
+  assert load_tokenizer(tmp_path / "out").encode_prompt(p) == tokenizer.encode_prompt(p)
+  # Refused before any compute.
+  plain = tmp_path / "plain_tok"
+  plain.mkdir()
+  (plain / "tokenizer.json").write_text(open(os.path.join(d, "tokenizer.json")).read())
+  (plain / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+  for extra, message in (
+    ([f"--tokenizer_path={plain}"], "no chat template"),
+    ([], "pass --tokenizer_path or --hf_checkpoint"),
+  ):
+    bad = tmp_path / f"bad{len(extra)}"
+    base = [f for f in flags if not f.startswith("--tokenizer_path")]
+    with pytest.raises(ConfigError, match=f"--chat_template=.?model.?: .*{message}"):
+      cfg = parse_config(["prog", *base, *extra, "--chat_template=model", f"--run_dir={bad}"])
+      validate(cfg, jax.device_count())
+      build_task(cfg.data, seed=0)
+    assert main(["prog", *base, *extra, "--chat_template=model", f"--run_dir={bad}"]) == 2
+    assert not (bad / "metrics.jsonl").exists()

@@ -734,8 +734,9 @@ def save_hf(
     max_shard_bytes: above this total size, tensors are split over several files
       with an index.
     tokenizer: the policy's :class:`mimo_jax.tokenization.Tokenizer`: its special ids go into
-      ``config.json`` and ``generation_config.json`` (every stop id: ``generate`` ends at each), and a
-      SentencePiece model is written beside the weights as ``tokenizer.model``.  Without it, a loader
+      ``config.json`` and ``generation_config.json`` (every stop id: ``generate`` ends at each); a
+      SentencePiece model is written beside the weights as ``tokenizer.model``, a Hugging Face one as
+      ``tokenizer.json`` with a ``tokenizer_config.json`` (its special tokens and chat template).  Without it, a loader
       knows no end of sequence (``generate`` runs to its length limit).
   """
   cfg = model.config
@@ -809,6 +810,8 @@ def _finish_export(path: str, written: Sequence[str], config: Mapping[str, Any],
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": stops[0], "pad_token_id": int(tokenizer.pad_id)}
     config.update(ids)
     _write_json(generation, {**ids, "eos_token_id": stops if len(stops) > 1 else stops[0]})
+    if hasattr(tokenizer, "save_pretrained"):  # a tokenizer.json: written with its config and chat template
+      tokenizer.save_pretrained(path)
     if hasattr(tokenizer, "model_proto_bytes"):
       tmp = os.path.join(path, "tokenizer.model.tmp")
       with open(tmp, "wb") as f:

@@ -29,7 +29,8 @@ def sampling_params(cfg: RolloutConfig, tokenizer: Tokenizer) -> SamplingParams:
 def encode_prompts(
   tokenizer: Tokenizer, prompts: Sequence[str], buckets: Sequence[int], num_rows: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, int]:
-  """Tokenizes (with BOS), left-pads to a bucket, and pads the row count with 1-token fillers.
+  """Tokenizes (:meth:`Tokenizer.encode_prompt`: after BOS, or through the model's chat template), left-pads
+  to a bucket, and pads the row count with 1-token fillers.
 
   A prompt longer than the largest bucket keeps its BOS and its last tokens (where the
   question ends and the answer cue sits), so shapes stay static.
@@ -38,7 +39,7 @@ def encode_prompts(
     ``(tokens [rows, P], mask [rows, P], number of prompts that were cut)``.
   """
   limit = max(buckets)
-  full = [tokenizer.encode(p, add_bos=tokenizer.bos_id is not None) for p in prompts]
+  full = [tokenizer.encode_prompt(p) for p in prompts]
   truncated = sum(len(i) > limit for i in full)
   ids = [keep_last_tokens(i, limit, tokenizer.bos_id) for i in full]
   rows = num_rows or len(ids)

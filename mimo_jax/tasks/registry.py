@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mimo_jax.config import DataConfig
+from mimo_jax.config import CHAT_TEMPLATES, DataConfig
 from mimo_jax.config_base import ConfigError
 from mimo_jax.rewards import sandbox_policy
 from mimo_jax.rewards.code import program_timeout_s
@@ -26,7 +26,7 @@ from mimo_jax.tasks.jsonl import JsonlTask, parse_field_map
 from mimo_jax.tasks.mixture import MixtureTask
 from mimo_jax.tasks.splits import MalformedCount, describe_kinds
 from mimo_jax.tasks.tfds_sources import load_prompt_source
-from mimo_jax.tokenization import Tokenizer, load_tokenizer, train_sentencepiece
+from mimo_jax.tokenization import CHAT_TEMPLATE_FILE, Tokenizer, load_tokenizer, train_sentencepiece
 
 # The held-out split is fixed across run seeds, so runs with different seeds are
 # evaluated on the same prompts.
@@ -214,8 +214,15 @@ def _jsonl_task(cfg: DataConfig) -> JsonlTask:
 
 
 def _tokenizer(cfg: DataConfig, hf_checkpoint: str) -> Tokenizer | None:
-  if cfg.tokenizer_path:
-    return load_tokenizer(cfg.tokenizer_path)
-  if hf_checkpoint:
-    return load_tokenizer(hf_checkpoint)
-  return None
+  path = cfg.tokenizer_path or hf_checkpoint
+  if not path:
+    return None
+  tokenizer = load_tokenizer(path)
+  if cfg.chat_template == "model":
+    if tokenizer.chat_template is None:
+      raise ConfigError(
+        f"--chat_template=model: the tokenizer at {path!r} has no chat template (tokenizer_config.json's "
+        f"'chat_template' or {CHAT_TEMPLATE_FILE}); allowed values: {', '.join(CHAT_TEMPLATES)}"
+      )
+    tokenizer = tokenizer.with_chat_prompts()
+  return tokenizer

@@ -77,3 +77,63 @@ def save_random_judge(path: str) -> str:
   with open(os.path.join(path, "tokenizer.model"), "wb") as f:
     f.write(tok.model_proto_bytes())
   return path
+
+
+# A ChatML chat template in the style of Qwen's (a default system turn when the conversation has none).
+CHATML_TEMPLATE = (
+  "{%- if messages[0]['role'] == 'system' %}"
+  "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+  "{%- else %}{{- '<|im_start|>system\\nYou are a careful solver.<|im_end|>\\n' }}{%- endif %}"
+  "{%- for message in messages %}"
+  "{%- if message.role not in ['system', 'user', 'assistant'] %}"
+  "{{- raise_exception('unknown role ' + message.role) }}{%- endif %}"
+  "{%- if message.role != 'system' %}"
+  "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+  "{%- endif %}{%- endfor %}"
+  "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CHAT_SPECIAL_TOKENS = (
+  "<|endoftext|>",
+  "<|im_start|>",
+  "<|im_end|>",
+  "<|begin_of_text|>",
+  "<|start_header_id|>",
+  "<|end_header_id|>",
+  "<|eot_id|>",
+)
+
+
+def save_chat_tokenizer(
+  directory: str, template: Any = CHATML_TEMPLATE, *, corpus: tuple[str, ...] = (), **config: Any
+) -> str:
+  """Saves a small byte-level BPE ``tokenizer.json`` (every byte encodable; the chat specials of
+  :data:`CHAT_SPECIAL_TOKENS` added) and a ``tokenizer_config.json`` with ``template`` as its
+  ``chat_template`` and ``config``'s entries (``eos_token``, ``bos_token``, ...): a model directory's
+  tokenizer as ``transformers`` and :func:`mimo_jax.tokenization.load_tokenizer` both read it.
+
+  Returns:
+    ``directory``.
+  """
+  import json
+  import os
+
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=420,
+    special_tokens=list(CHAT_SPECIAL_TOKENS),
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+  )
+  texts = ["What is 12 + 30? Answer tersely. system user assistant #### 42", *corpus]
+  tok.train_from_iterator(texts * 20, trainer=trainer)
+  os.makedirs(directory, exist_ok=True)
+  tok.save(os.path.join(directory, "tokenizer.json"))
+  settings = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, **config}
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump(settings, f)
+  return directory
