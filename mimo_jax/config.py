@@ -525,7 +525,8 @@ class DataConfig:
     "TFDS array_record cache: read gsm8k/humaneval through TFDS builders (empty: JSONL reader; jsonl task: ~/.cache).",
   )
   jsonl_fields: str = field(
-    "prompt=prompt,answer=answer", "--task=jsonl: which JSONL fields hold the prompt and answer."
+    "prompt=prompt,answer=answer",
+    "--task=jsonl: which JSONL fields hold the prompt and answer (a string or a JSON number).",
   )
   reward_workers: int = field(0, "Reward worker processes with per-sample timeouts (0: in-process).", ge=0)
   reward_timeout_s: float = field(

@@ -49,6 +49,31 @@ def test_jsonl_task_with_a_field_map_counts_malformed_rows(tmp_path, caplog):
   assert tokenizer.decode(tokenizer.encode(problem.prompt)) == problem.prompt
 
 
+def test_a_jsonl_answer_may_be_a_json_number(tmp_path, caplog):
+  """``"answer": 18`` (how many datasets write a final answer) is the answer "18", graded as any other;
+  ``2.5`` is "2.5".  A boolean, a non-finite number (Python's JSON reads NaN) or a number as the prompt
+  is still refused, counted as ``not_string``."""
+  rows = [{"q": f"What is {i} + {i}?", "a": 2 * i} for i in range(8)] + [{"q": "Half of 5?", "a": 2.5}]
+  bad = ['{"q": "True?", "a": true}', '{"q": "NaN?", "a": NaN}', '{"q": 7, "a": 7}']
+  train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+  _write(train, rows[:6], bad_lines=bad)
+  _write(test, rows[6:])
+  cfg = DataConfig(
+    task="jsonl",
+    data_path=str(train),
+    eval_data_path=str(test),
+    jsonl_fields="prompt=q,answer=a",
+    tfds_dir=str(tmp_path),
+  )
+  task, _ = build_task(cfg, seed=0)
+  assert sorted(p.answer for p in task.train_problems()) == ["0", "10", "2", "4", "6", "8"]
+  held = [(p.prompt, p.answer) for p in task.heldout()]
+  assert held == [("What is 6 + 6?", "12"), ("What is 7 + 7?", "14"), ("Half of 5?", "2.5")]
+  assert task.reward(task.heldout()[2], "Half of 5 is 2.5. #### 2.5") == 1.0
+  assert task.reward(task.heldout()[0], "#### 15") == 0.0
+  assert "skipped 3 malformed row(s) of 9 (not_string=3)" in caplog.text
+
+
 @pytest.mark.parametrize(
   "changes, message",
   [

@@ -56,9 +56,10 @@ import gzip
 import hashlib
 import json
 import logging
+import math
 import operator
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -103,7 +104,9 @@ DEFAULT_FIELD_MAP: Mapping[str, str] = {"prompt": "prompt", "answer": "answer"}
 _HUMANEVAL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "humaneval")
 
 # Bumped whenever what a builder writes changes, so old caches are not reused.
-_FORMAT_VERSION = 2  # 2: BOM accepted, lone surrogates and over-deep rows skipped, malformed_by_kind stored
+# 2: BOM accepted, lone surrogates and over-deep rows skipped, malformed_by_kind stored; 3: a generic JSONL's
+# answer given as a JSON number is kept (as its text)
+_FORMAT_VERSION = 3
 _VERSION = tfds.core.Version("1.0.0")
 # Feature holding a row's 1-based line number in its source file.
 LINE_FEATURE = "source_line"
@@ -209,13 +212,27 @@ def _check_field_map(field_map: Mapping[str, str]) -> dict[str, str]:
   return out
 
 
+def _number_text(value: Any) -> str | None:
+  """A finite JSON number (not a boolean) as text (``18``, ``2.5``); None for anything else."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return None
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return str(value)
+
+
 def _parse_row(
-  raw: bytes, fields: Mapping[str, str], *, first_line: bool = False
+  raw: bytes, fields: Mapping[str, str], *, first_line: bool = False, numbers: Iterable[str] = ()
 ) -> tuple[dict[str, str] | None, Malformed | None]:
-  """Parses one raw line into ``{feature: text}``; returns ``(row, None)`` or ``(None, Malformed)``."""
+  """Parses one raw line into ``{feature: text}``; returns ``(row, None)`` or ``(None, Malformed)``.  The
+  features in ``numbers`` may also be given as JSON numbers (``"answer": 18``), kept as their text."""
   obj, problem = parse_json_object(raw, first_line=first_line)
   if problem is None:
     assert obj is not None
+    for feature in numbers:
+      key = fields.get(feature)
+      if key is not None and (text := _number_text(obj.get(key))) is not None:
+        obj[key] = text
     problem = check_string_fields(obj, fields.values())
   if problem is not None:
     return None, problem
@@ -227,6 +244,8 @@ class _JsonlBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """Shared logic: read, validate and write the rows of one JSONL file per split."""
 
   VERSION = _VERSION
+  # Features a row may give as a JSON number (kept as its text); the others must be strings.
+  NUMBER_FEATURES: tuple[str, ...] = ()
 
   def _fields(self) -> dict[str, str]:
     """Feature name to JSON key."""
@@ -272,7 +291,7 @@ class _JsonlBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     for lineno, raw in enumerate(_read_lines(path, sha256), start=1):
       if not raw.strip():
         continue
-      row, problem = _parse_row(raw, fields, first_line=lineno == 1)
+      row, problem = _parse_row(raw, fields, first_line=lineno == 1, numbers=self.NUMBER_FEATURES)
       if row is not None:
         reason = self._check_row(row)
         problem = Malformed("failed_check", reason) if reason else None
@@ -338,9 +357,11 @@ class HumanEvalBuilder(_JsonlBuilder, skip_registration=True):
 
 
 class JsonlPromptsBuilder(_JsonlBuilder, skip_registration=True):
-  """Any JSONL file; the config's ``field_map`` says which string fields to keep and how to name them."""
+  """Any JSONL file; the config's ``field_map`` says which fields to keep and how to name them: strings,
+  and the answer a string or a JSON number (``"answer": 18``)."""
 
   name = "mimo_jsonl_prompts"
+  NUMBER_FEATURES = ("answer",)
 
   def _fields(self) -> dict[str, str]:
     config: JsonlSourceConfig = self.builder_config
