@@ -1,12 +1,13 @@
 """Trainer tasks reading their prompts through TFDS array_record sources."""
 
+import dataclasses
 import json
 
 import pytest
 
 from mimo_jax.config import DataConfig
 from mimo_jax.config_base import ConfigError
-from mimo_jax.tasks.registry import build_task
+from mimo_jax.tasks.registry import build_task, data_counts
 
 
 def test_gsm8k_and_humaneval_through_tfds_equal_the_jsonl_reader(tmp_path):
@@ -42,6 +43,21 @@ def test_jsonl_task_with_a_field_map_counts_malformed_rows(tmp_path, caplog):
   assert len(task.heldout()) == 10 and len(task.train_problems()) == 40  # 45..49 are held out: removed
   assert task.num_overlap_removed == 5
   assert "malformed" in caplog.text  # the two bad rows are reported, not silently dropped
+  # ... and counted where a run's summary.json reads them.
+  assert data_counts(task) == {
+    "jsonl": {
+      "train_problems": 40,
+      "heldout_problems": 10,
+      "overlap_removed": 5,
+      "duplicates_removed": 0,
+      "malformed_train": 2,
+      "malformed_train_by_kind": {"invalid_json": 1, "missing_field": 1},
+      "malformed_test": 0,
+    }
+  }
+  _write(train, rows[:40] + rows[:3])  # three repeats: counted as duplicates
+  cfg = dataclasses.replace(cfg, data_path=str(train))
+  assert data_counts(build_task(cfg, seed=0)[0])["jsonl"]["duplicates_removed"] == 3
   problem = task.heldout()[0]
   assert (problem.prompt, problem.answer) == ("What is 40 + 40?", "80")
   assert task.reward(problem, "40 + 40 = 80. The answer is 80.") == 1.0
@@ -118,3 +134,7 @@ def test_small_text_and_code_runs_end_to_end(tmp_path, name, task):
   assert (tmp_path / "tfds" / f"mimo_{task}").is_dir()
   summary = json.loads((tmp_path / "run" / "summary.json").read_text())
   assert summary["rl_steps"] == 2 and "pass@1" in summary["final"]
+  # What reading the shipped files kept: every row well formed, the held-out problems as evaluated.
+  data = summary["data"][task]
+  assert data["malformed_train"] == data["malformed_test"] == 0 and data["heldout_problems"] >= 4
+  assert data["train_problems"] > 0 and {"overlap_removed", "duplicates_removed"} <= set(data)

@@ -385,6 +385,7 @@ def test_end_to_end_run_writes_the_run_directory(tmp_path, capsys):
   assert [r["samples_total"] for r in rl] == [32, 64, 96] and all(r["flops_reference"] > 0 for r in rl)
   assert summary["compute"]["flops_total"] == rl[-1]["flops_total"] and summary["compute"]["samples_total"] == 96
   assert summary["libraries"]["jax"] == jax.__version__ and set(summary["code"]) == {"package", "commit", "dirty"}
+  assert summary["data"] == {}  # the built-in arithmetic task reads no file
   assert set(summary["warm_start"]) >= {"greedy_accuracy", "pass@1", "pass@2"}
   config = json.loads((tmp_path / "config.json").read_text())
   assert config["run"]["max_steps"] == 3

@@ -70,9 +70,9 @@ class JsonlTask(SplitTask):
     train_path: str = "train",
     test_path: str = "test",
   ) -> None:
-    self._set_splits(
-      _distinct(test_rows), _distinct(train_rows), heldout_size=None, train_path=train_path, test_path=test_path
-    )
+    train = _distinct(train_rows)
+    self.num_duplicates_removed = len(train_rows) - len(train)
+    self._set_splits(_distinct(test_rows), train, heldout_size=None, train_path=train_path, test_path=test_path)
 
   @property
   def name(self) -> str:

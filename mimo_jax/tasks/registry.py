@@ -99,6 +99,14 @@ def build_task(cfg: DataConfig, *, seed: int, hf_checkpoint: str = "") -> tuple[
   return task, tokenizer
 
 
+def data_counts(task: Any) -> dict[str, Any]:
+  """``summary.json``'s ``data``: for each task that reads files (each of a mixture's), what reading them
+  kept and dropped (:meth:`~mimo_jax.tasks.splits.SplitTask.data_counts`), by task name; the built-in
+  arithmetic task reads none."""
+  tasks = task.tasks if isinstance(task, MixtureTask) else {task.name: task}
+  return {name: sub.data_counts() for name, sub in tasks.items() if hasattr(sub, "data_counts")}
+
+
 def build_arith_task(cfg: DataConfig) -> ArithTask:
   """The arithmetic task of ``cfg``: its held-out split is the first ``--eval_prompts`` of a fixed stream."""
   return ArithTask(
@@ -208,7 +216,10 @@ def _jsonl_task(cfg: DataConfig) -> JsonlTask:
       load_prompt_source("jsonl", path, _tfds_dir(cfg), split=split, field_map=field_map)
       for path, split in ((cfg.data_path, "train"), (cfg.eval_data_path, "test"))
     ]
-    return JsonlTask(list(sources[0]), list(sources[1]), train_path=cfg.data_path, test_path=cfg.eval_data_path)
+    task = JsonlTask(list(sources[0]), list(sources[1]), train_path=cfg.data_path, test_path=cfg.eval_data_path)
+    for split, source in zip(("train", "test"), sources, strict=True):
+      setattr(task, f"num_malformed_{split}", MalformedCount(source.malformed_by_kind))
+    return task
   except ValueError as e:
     raise ConfigError(f"--data_path/--eval_data_path: {e}") from None
 

@@ -293,6 +293,26 @@ class SplitTask:
     """Number of distinct training problems (after removing repeats and held-out ones)."""
     return len(self._train)
 
+  def data_counts(self) -> dict[str, Any]:
+    """What reading the task's files kept and dropped (``summary.json``'s ``data``): its training and
+    held-out problems, the training problems removed as held out (``overlap_removed``) and, where the task
+    counts them, as repeats (``duplicates_removed``), and each file's malformed rows by kind."""
+    counts: dict[str, Any] = {
+      "train_problems": self.num_train,
+      "heldout_problems": len(self._heldout),
+      "overlap_removed": int(self.num_overlap_removed),
+    }
+    if hasattr(self, "num_duplicates_removed"):
+      counts["duplicates_removed"] = int(self.num_duplicates_removed)
+    for split in ("train", "test"):
+      bad = getattr(self, f"num_malformed_{split}", None)
+      if bad is not None:
+        counts[f"malformed_{split}"] = int(bad)
+        by_kind = getattr(bad, "by_kind", None)
+        if by_kind:
+          counts[f"malformed_{split}_by_kind"] = dict(by_kind)
+    return counts
+
   def train_problems(self) -> list[Any]:
     """Returns all training problems, in file order (a new list)."""
     return list(self._train)

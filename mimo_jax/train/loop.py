@@ -47,7 +47,7 @@ from mimo_jax.rewards.base import CompositeReward, RewardSource
 from mimo_jax.rewards.task_rewards import build_task_reward, check_reward_flags, load_json_schema
 from mimo_jax.rollout import FINISH_LENGTH, Sampler
 from mimo_jax.rollout.encoding import encode_prompts, encode_targets
-from mimo_jax.tasks.registry import build_task, check_sandbox
+from mimo_jax.tasks.registry import build_task, check_sandbox, data_counts
 from mimo_jax.train import rundir
 from mimo_jax.train.alarms import Alarms, alarm_settings
 from mimo_jax.train.async_rollout import AsyncRollout
@@ -1436,6 +1436,8 @@ def _finish(
     # The compute ledger's totals over the RL steps, and what code and stack produced the run.
     "compute": run.ledger.state_dict(),
     "best": None if run.best_value is None else {"metric": cfg.checkpoint.keep_best, "value": run.best_value},
+    # What reading the prompt files kept and dropped (malformed rows, repeats, held-out overlap).
+    "data": data_counts(run.task),
     **provenance(),
   }
   if run.sandbox is not None:
