@@ -991,6 +991,7 @@ ADDED_SETTINGS = {
     "digit_reward_weight",
     "data_order",
     "train_prompts",
+    "chat_template",
   ),
 }
 # Added settings whose older behaviour was another setting's value: absent, they read as that field.

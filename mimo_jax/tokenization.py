@@ -297,6 +297,12 @@ class Tokenizer(abc.ABC):
     return PaddedBatch(ids=ids, mask=mask, lengths=lengths)
 
   @property
+  def adds_bos(self) -> bool:
+    """Whether a prompt starts with :attr:`bos_id` (:meth:`encode_prompt`): as the model's own tokenizer
+    encodes a text; by default whenever there is a BOS."""
+    return self.bos_id is not None
+
+  @property
   def chat_template(self) -> str | None:
     """The model's own chat template (Jinja source), or None when the tokenizer ships none."""
     return None
@@ -328,7 +334,7 @@ class Tokenizer(abc.ABC):
     template, ending where the assistant's turn begins (:meth:`encode_chat`)."""
     if self.chat_prompts:
       return self.encode_chat([{"role": "user", "content": text}])
-    return self.encode(text, add_bos=self.bos_id is not None)
+    return self.encode(text, add_bos=self.adds_bos)
 
   def apply_chat_template(
     self,
@@ -390,7 +396,7 @@ class Tokenizer(abc.ABC):
     """
     text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     if self.chat_template is None:
-      return self.encode(text, add_bos=self.bos_id is not None)
+      return self.encode(text, add_bos=self.adds_bos)
     return self._encode_with_specials(text)
 
   def _special_token_texts(self) -> dict[str, str]:
@@ -794,6 +800,7 @@ class HFTokenizer(Tokenizer):
     more_stop_ids: Sequence[int] = (),
     chat_template: str | None = None,
     template_tokens: Mapping[str, str] | None = None,
+    adds_bos: bool | None = None,
   ) -> None:
     """Wraps an existing ``tokenizers.Tokenizer``.
 
@@ -806,6 +813,7 @@ class HFTokenizer(Tokenizer):
       chat_template: the model's chat template (Jinja source), if it has one.
       template_tokens: the special tokens' texts the template reads (``bos_token``, ``eos_token``, ...);
         None: those of ``bos_id`` / ``eos_id`` / ``pad_id``.
+      adds_bos: whether prompts start with ``bos_id`` (None: whenever there is one).
 
     Raises:
       ValueError: if a given id is outside the vocabulary.
@@ -827,6 +835,7 @@ class HFTokenizer(Tokenizer):
     self._pad = self._eos if pad_id is None else int(pad_id)
     self._chat_template = chat_template
     self._template_tokens = None if template_tokens is None else dict(template_tokens)
+    self._adds_bos = self._bos is not None if adds_bos is None else bool(adds_bos) and self._bos is not None
     self._with_specials: tokenizers.Tokenizer | None = None
 
   @classmethod
@@ -907,6 +916,7 @@ class HFTokenizer(Tokenizer):
       if tok_config.get("add_bos_token") is False:  # (Qwen) transformers adds no BOS: neither do prompts here
         ids["bos"] = None
         decided.add("bos")
+    add_bos = tok_config.get("add_bos_token")
     chat_template = _chat_template_of(config_dir, tok_config)
     model_config_path = os.path.join(config_dir, "config.json")
     more_eos: list[int] = []  # a chat model's other end-of-sequence ids (end of turn): they stop generation too
@@ -926,12 +936,18 @@ class HFTokenizer(Tokenizer):
         f"could not determine the EOS token for {json_path!r}: looked for 'eos_token' in {tok_config_path!r} "
         f"and 'eos_token_id' in {model_config_path!r}"
       )
+    if ids["bos"] is not None and not isinstance(add_bos, bool):
+      # Not said: transformers' encoding adds a BOS where the tokenizer's post-processor does (Llama 3's
+      # template processing); a BOS token it never adds (a byte-level model's <|endoftext|>) starts no prompt.
+      probe = tok.encode("a", add_special_tokens=True).ids
+      add_bos = bool(probe) and probe[0] == ids["bos"]
     return cls(
       tok,
       eos_id=eos,
       bos_id=ids["bos"],
       pad_id=ids["pad"],
       more_stop_ids=more_eos,
+      adds_bos=add_bos if isinstance(add_bos, bool) else None,
       chat_template=chat_template,
       # As transformers hands them to a template: tokenizer_config.json's texts, a BOS the model does not
       # add included (a template may write it itself); without that file, the ids' texts.
@@ -985,6 +1001,12 @@ class HFTokenizer(Tokenizer):
   def chat_template(self) -> str | None:
     """The chat template of ``chat_template.jinja`` or ``tokenizer_config.json``, or None."""
     return self._chat_template
+
+  @property
+  def adds_bos(self) -> bool:
+    """Whether prompts start with the BOS: ``tokenizer_config.json``'s ``add_bos_token`` where it says,
+    else whether the tokenizer's own post-processor adds it (as transformers encodes)."""
+    return self._adds_bos
 
   def _special_token_texts(self) -> dict[str, str]:
     if self._template_tokens is not None:

@@ -301,7 +301,7 @@ def test_a_judge_output_cut_by_its_length_limit_loses_its_unfinished_line():
   from mimo_jax.rollout.sampler import FINISH_LENGTH, FINISH_STOP
 
   class CharTok:  # one token per character: 0 pad, 1 EOS, 2 BOS, 3 + code point
-    pad_id, eos_id, bos_id, vocab_size, stop_ids = 0, 1, 2, 3 + 256, (1,)
+    pad_id, eos_id, bos_id, vocab_size, stop_ids, adds_bos = 0, 1, 2, 3 + 256, (1,), True
 
     def encode(self, s, add_bos=False, add_eos=False):
       return ([2] if add_bos else []) + [3 + ord(c) for c in s] + ([1] if add_eos else [])

@@ -692,3 +692,25 @@ def test_chat_template_sources_and_failures(tmp_path: Path) -> None:
   broken = load_tokenizer(_chat_model_dir(tmp_path / "broken", "{% for m in messages %}", eos_token="<|im_end|>"))
   with pytest.raises(ChatTemplateError, match="does not compile"):
     broken.encode_chat(CONVERSATIONS[0])
+
+
+def test_a_prompt_starts_with_bos_where_the_models_own_tokenizer_puts_one(tmp_path: Path) -> None:
+  """A BOS token named in ``tokenizer_config.json`` starts a prompt only where transformers' encoding
+  puts one: ``add_bos_token`` where the config says, else the tokenizer's post-processor (a byte-level
+  model's ``<|endoftext|>`` as BOS, never added there, started every prompt here)."""
+  transformers = pytest.importorskip("transformers")
+  corpus = ["hello world", "foo bar"] * 5
+  cases = [
+    ("none", _word_level_tokenizer(), {"bos_token": "<s>", "eos_token": "</s>"}, False),
+    ("template", _byte_level_bpe(corpus), {"bos_token": "<s>", "eos_token": "</s>"}, True),
+    ("said", _word_level_tokenizer(), {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}, True),
+  ]
+  for name, backend, config, adds in cases:
+    d = _save_hf_dir(tmp_path / name, backend, {"tokenizer_class": "PreTrainedTokenizerFast", **config})
+    tok = load_tokenizer(d)
+    assert tok.bos_id is not None and tok.adds_bos is adds, name
+    ids = tok.encode_prompt("hello world")
+    assert (ids[0] == tok.bos_id) is adds and ids[adds:] == tok.encode("hello world"), name
+    if name != "said":  # transformers' own (a plain fast tokenizer does not read add_bos_token)
+      theirs = transformers.AutoTokenizer.from_pretrained(str(d))("hello world")["input_ids"]
+      assert (theirs[0] == tok.bos_id) is adds, name

@@ -170,7 +170,7 @@ def _encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], buckets: Seque
     ``(tokens, mask, cut)``: the padded batch and the number of prompts that lost their middle.
   """
   limit = max(buckets)
-  ids = [tokenizer.encode(p, add_bos=tokenizer.bos_id is not None) for p in prompts]
+  ids = [tokenizer.encode(p, add_bos=tokenizer.adds_bos) for p in prompts]
   for i, x in enumerate(ids):
     if not x:
       raise ValueError(f"prompt {i} encodes to no tokens (and the tokenizer adds no BOS)")

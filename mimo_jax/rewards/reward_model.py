@@ -239,7 +239,7 @@ def _encode_prompt(tokenizer: Tokenizer, text: str, limit: int) -> tuple[list[in
 
   Same convention as :func:`mimo_jax.train.loop.encode_prompts`.
   """
-  ids = tokenizer.encode(text, add_bos=tokenizer.bos_id is not None)
+  ids = tokenizer.encode(text, add_bos=tokenizer.adds_bos)
   return keep_last_tokens(ids, limit, tokenizer.bos_id), len(ids) > limit
 
 
