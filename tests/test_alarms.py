@@ -212,6 +212,23 @@ def test_a_huge_learning_rate_is_caught_rolled_back_and_damped(tmp_path, capsys)
   assert summary["alarm_rollbacks"] == 2
 
 
+def test_an_alarms_kl_increase_stays_inside_the_controllers_bounds(tmp_path):
+  """The huge learning rate again, under the adaptive KL controller bounded at --kl_coef_max: the
+  rollback's doubled coefficient is clipped to the bound (it applied twice the bound on the redone step
+  before the controller pulled it back)."""
+  from mimo_jax.main import main
+
+  run_dir = tmp_path / "run"
+  flags = _rollback_run(run_dir, sft_steps=30, max_steps=8, rollbacks=1)
+  adaptive = ["--kl_controller=adaptive", "--kl_coef=0.001", "--kl_coef_min=0.0005", "--kl_coef_max=0.0015"]
+  assert main(["prog", *flags, "--learning_rate=0.5", "--entropy_coef=0.5", *adaptive]) == 0
+  rows = [json.loads(line) for line in open(run_dir / "alarms.jsonl")]
+  assert any(r["action"].startswith("rolled back to RL step") for r in rows)
+  rl = [m for m in map(json.loads, open(run_dir / "metrics.jsonl")) if "reward_mean" in m]
+  assert rl[-1]["alarm_rollbacks"] == 1
+  assert max(m["kl_coef"] for m in rl) <= 0.0015 * (1 + 1e-6)
+
+
 # Every other detector is switched off (its threshold out of reach), so the one under test, at its shipped
 # threshold, is the only one that can fire and roll back.
 SILENCE = {

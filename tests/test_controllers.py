@@ -266,6 +266,24 @@ def test_dynamic_coefs_route_kl_and_scale_by_phase():
   assert float(off.kl_coef) == 0.0 and float(off.kl_reward_coef) == 0.0
 
 
+def test_the_linked_clip_follows_the_lr_the_update_applies():
+  """After rollbacks lowered the optimizer's LR factor (``lr_scale``, applied on top of the schedule), the
+  LR-linked clip tightens with it: ``grad_clip * max(applied LR / peak, 0.1)``, phased or not (it stayed
+  at the schedule's ratio)."""
+  kw = dict(clip_low=0.2, clip_high=0.2, kl_in_reward=False, use_kl=True)
+  ctl = C.init_controllers(kl_coef=0.05, entropy_coef=0.0)
+  plain = C.ControllerSettings(total_steps=100, grad_clip=1.0, grad_clip_lr_linked=True)
+  for lr_ratio, lr_scale, expected in ((1.0, 0.25, 0.25), (0.5, 0.5, 0.25), (1.0, 0.01, 0.1), (1.0, 1.0, 1.0)):
+    c = C.dynamic_coefs(ctl, 50, lr_ratio, plain, lr_scale=lr_scale, **kw)
+    np.testing.assert_allclose(float(c.clip_norm), expected, rtol=1e-6)
+  phased = C.ControllerSettings(total_steps=100, phased=True, grad_clip=1.0, grad_clip_lr_linked=True)
+  ctl = ctl.replace(phase=jnp.int32(1), phase_start=jnp.int32(10))
+  full = C.dynamic_coefs(ctl, 50, 1.0, phased, **kw)
+  halved = C.dynamic_coefs(ctl, 50, 1.0, phased, lr_scale=0.5, **kw)
+  np.testing.assert_allclose(float(halved.clip_norm), max(0.5 * float(full.lr_mult), 0.1), rtol=1e-6)
+  assert float(halved.lr_mult) == float(full.lr_mult)  # the factor is the optimizer's to apply, not the schedule's
+
+
 def test_apply_gradients_clip_norm_and_lr_mult():
   from mimo_jax.optim import apply_gradients
 

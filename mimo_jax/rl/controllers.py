@@ -607,6 +607,7 @@ def dynamic_coefs(
   clip_high: float,
   kl_in_reward: bool,
   use_kl: bool,
+  lr_scale: ArrayLike = 1.0,
 ) -> DynamicCoefs:
   """The coefficients of RL step ``step`` (0-based) from the controllers' state.
 
@@ -618,6 +619,8 @@ def dynamic_coefs(
     clip_low, clip_high: the configured clip range (scaled per phase).
     kl_in_reward: put the KL penalty in the reward instead of the loss.
     use_kl: whether there is a reference at all.
+    lr_scale: the optimizer's own LR factor on top of the schedule (lowered by a rollback or an alarm's
+      rollback): the linked clip follows the LR the update applies.
   """
   s = settings
   phase = ctl.phase
@@ -632,7 +635,7 @@ def dynamic_coefs(
   if s.grad_clip <= 0:
     clip_norm = jnp.asarray(jnp.inf, jnp.float32)
   elif s.grad_clip_lr_linked:
-    clip_norm = lr_linked_clip(s.grad_clip, lr_ratio)
+    clip_norm = lr_linked_clip(s.grad_clip, lr_ratio * jnp.asarray(lr_scale, jnp.float32))
   else:
     clip_norm = jnp.asarray(s.grad_clip, jnp.float32)
   decay = jnp.asarray(s.phase_smoothing, jnp.float32)[phase] if s.phased and s.reward_ema > 0 else s.reward_ema

@@ -523,7 +523,7 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
     old_logp, ref_logp, values = scores.old_logprobs, scores.ref_logprobs, scores.values
     # ---- coefficients and advantages
     base_lr = schedule(state.policy.step)
-    coefs = coefficients(state.controllers, step, base_lr / peak)
+    coefs = coefficients(state.controllers, step, base_lr / peak, lr_scale=state.lr_scale)
     coefs = coefs.replace(lr_mult=coefs.lr_mult * faults.lr_mult)
     adv_in = AdvantageInputs(
       rewards=exp.rewards,

@@ -1190,6 +1190,8 @@ class RLRun:
     restored = self._from_tree(state, tree)
     policy = restored.policy.replace(lr_scale=state.lr_scale * lg.alarm_lr_factor)
     kl = state.controllers.kl_coef * lg.alarm_kl_factor
+    if self.cfg.algo.kl_controller != "fixed":  # a controlled coefficient stays inside its bounds
+      kl = jnp.clip(kl, self.cfg.algo.kl_coef_min, self.cfg.algo.kl_coef_max)
     restored = restored.replace(policy=policy, controllers=restored.controllers.replace(kl_coef=kl))
     if critic:
       restored = restored.replace(value=restored.value.replace(lr_scale=state.value.lr_scale * lg.alarm_lr_factor))
