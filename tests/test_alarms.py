@@ -6,6 +6,7 @@ fixed prompt order the alarm breaks by reshuffling."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -210,6 +211,23 @@ def test_a_huge_learning_rate_is_caught_rolled_back_and_damped(tmp_path, capsys)
   assert rl[-1]["kl_coef"] == pytest.approx(0.001 * 2 * 2)
   summary = json.loads((run_dir / "summary.json").read_text())
   assert summary["alarm_rollbacks"] == 2
+
+
+def test_a_kl_or_critic_loss_that_is_no_longer_a_number_fires_its_alarm():
+  """A value loss or a KL that became +inf or NaN (the logger writes them as "inf" / "nan") is the largest
+  spike there is: its alarm fires, with evidence that is strict JSON.  They were dropped as gaps, so the
+  worst blow-up raised nothing."""
+  from mimo_jax.train.logger import MetricsLogger
+
+  healthy = dict(reward_mean=0.3, entropy=2.0, kl_k3=0.01, value_loss=0.1, response_len=5.0, grad_norm=1.0)
+  for key, kind, bad in (("value_loss", "value_loss_spike", 9), ("kl_k3", "kl_blowup", 11)):
+    for value in (math.inf, math.nan):
+      alarms, fired = Alarms(AlarmSettings(window=5)), []
+      for step in range(1, 16):
+        record = dict(healthy, **({key: value} if step >= bad else {}))
+        fired += alarms.update(step, MetricsLogger.record(step, record))
+      assert [(a.kind, a.step) for a in fired] == [(kind, bad)], (key, value)
+      json.dumps(fired[0].evidence, allow_nan=False)
 
 
 def test_an_alarms_kl_increase_stays_inside_the_controllers_bounds(tmp_path):

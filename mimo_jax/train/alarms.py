@@ -146,6 +146,19 @@ def _finite(x: Any) -> float | None:
   return None
 
 
+# Keys whose blow-up is the alarm (KL, the critic's loss): a value that is no longer a number, +inf or NaN
+# (as the logger writes them: "inf", "nan"), is the largest blow-up there is, not a gap in the record.
+_BLOW_UP_KEYS = ("kl_k3", "value_loss")
+
+
+def _finite_or_blown_up(x: Any) -> float | None:
+  if isinstance(x, str) and x in ("inf", "nan"):
+    return math.inf
+  if isinstance(x, float) and (math.isnan(x) or x == math.inf):
+    return math.inf
+  return _finite(x)
+
+
 def _acf_peak(x: np.ndarray, lags: range) -> tuple[float, int]:
   """The largest autocorrelation over ``lags`` of ``x``'s step-to-step changes, and its lag.
 
@@ -246,7 +259,7 @@ class Alarms:
   def update(self, step: int, record: Mapping[str, Any]) -> list[Alarm]:
     """Feeds one RL step's record; returns the alarms that start firing at it."""
     for key in ("reward_mean", "entropy", "kl_k3", "value_loss", "response_len", "accuracy"):
-      v = _finite(record.get(key))
+      v = (_finite_or_blown_up if key in _BLOW_UP_KEYS else _finite)(record.get(key))
       if v is not None:
         self._add(key, v)
     # A batch every sample of which is correct has nothing left to teach (success, not a collapse); a
@@ -268,7 +281,10 @@ class Alarms:
         if kind not in self.active:
           onset, evidence = holding[kind]
           self.active[kind] = onset
-          evidence = {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in evidence.items()}
+          evidence = {
+            k: (float(f"{v:.6g}") if math.isfinite(v) else str(v)) if isinstance(v, float) else v
+            for k, v in evidence.items()
+          }
           fired.append(Alarm(step=step, kind=kind, onset=onset, evidence=evidence))
       elif kind in self.active:
         # Cleared only after a whole window without the shape: a value hovering at the threshold is one
