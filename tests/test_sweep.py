@@ -170,7 +170,7 @@ def test_points_one_axis_at_a_time_or_as_a_grid(tmp_path):
   sweep = Sweep(base=BASE, axes=axes, out=str(tmp_path), extra=["--model_preset=tiny"], num_devices=8)
   # 2e-4 is the base's learning rate and 2 the tiny preset's layers: both are the base point, run once.
   assert sweep.points() == [{}, {"learning_rate": "4e-4"}, {"num_layers": "1"}, {"num_layers": "3"}]
-  members = {point_name(p): m for p, m in sweep._resolve()}
+  members = {point_name(p): m for p, m, _ in sweep._resolve()}
   assert members["base"] == [("learning_rate", 0), ("num_layers", 1)]
   assert members["num_layers=3"] == [("num_layers", 2)]
   grid = Sweep(base=BASE, axes=axes, out=str(tmp_path), extra=["--model_preset=tiny"], grid=True, num_devices=8)
@@ -182,6 +182,66 @@ def test_points_one_axis_at_a_time_or_as_a_grid(tmp_path):
   bigger = runs[2]
   assert {c.flag for c in bigger.changes} == {"learning_rate", "kl_coef", "grad_clip"}
   assert f"--learning_rate={bigger.cfg.optim.learning_rate:.4g}" in bigger.argv
+
+
+def test_no_rule_changes_a_flag_the_points_axes_set_even_to_the_bases_value(tmp_path):
+  """A grid of size x learning rate: the cell at the base's learning rate runs at it (the rule scaled it
+  down with the size, so that column held two learning rates); a joint axis that sets the base's learning
+  rate beside a smaller batch keeps it too.  Flags no axis sets are still coupled."""
+  axes = [parse_axis("num_layers=3,6"), parse_axis("learning_rate=2e-4,4e-4")]
+  runs = Sweep(base=BASE, axes=axes, out=str(tmp_path / "g"), grid=True, gate_steps=0, num_devices=8).plan()
+  by_name = {r.point: r for r in runs}
+  assert by_name["num_layers=6"].cfg.optim.learning_rate == 2e-4  # the demo preset's 3 layers at 2e-4: base
+  assert by_name["num_layers=6,learning_rate=4e-4"].cfg.optim.learning_rate == 4e-4
+  assert {c.flag for c in by_name["num_layers=6"].changes} == {"kl_coef"}  # coupled: no axis sets it
+  joint = [parse_axis("prompts_per_step:learning_rate=8:2e-4,32:3e-4")]
+  runs = Sweep(base=BASE, axes=joint, out=str(tmp_path / "j"), gate_steps=0, num_devices=8).plan()
+  smaller = next(r for r in runs if r.point == "prompts_per_step=8")
+  assert smaller.cfg.optim.learning_rate == 2e-4 and smaller.changes == ()
+
+
+def test_an_interrupt_between_two_trainers_starts_no_other(tmp_path, monkeypatch):
+  """A Ctrl-C or SIGTERM that lands while no trainer runs (the gate's verdict being read) starts no long
+  run (it started, ignored the signal and ran to its end); one that lands while a trainer starts is passed
+  on to it once it exists."""
+  from mimo_jax.sweep import runner
+  from mimo_jax.sweep.gate import Verdict
+
+  sweep = Sweep(
+    base=BASE, axes=[parse_axis("learning_rate=4e-4")], out=str(tmp_path), gate_steps=2, num_devices=8,
+    share_warm_start=False,
+  )  # fmt: skip
+  started, signals = [], []
+
+  class Trainer:  # stands in for the trainer's process: exits 0 at once
+    def __init__(self, argv, **kwargs):
+      started.append("gate" if any(a.startswith("--stop_at_step") for a in argv) else "long run")
+      if len(started) == hook_at:
+        sweep._interrupt(signal.SIGTERM, None)  # the signal arrives while the process starts
+
+    def wait(self):
+      return 0
+
+    def poll(self):
+      return 0
+
+    def send_signal(self, sig):
+      signals.append(sig)
+
+  def verdict(*args, **kwargs):
+    sweep._interrupt(signal.SIGTERM, None)  # the signal arrives between the two trainers
+    return Verdict("pass", "ok", 2)
+
+  monkeypatch.setattr(runner.subprocess, "Popen", Trainer)
+  monkeypatch.setattr(runner, "gate_verdict", verdict)
+  run = sweep.plan()[0]
+  for sub in ("state", "logs"):
+    os.makedirs(tmp_path / sub, exist_ok=True)
+  hook_at = 0
+  assert sweep._run_one(run) is None and started == ["gate"] and signals == []
+  sweep._interrupted, started[:] = False, []
+  hook_at = 1
+  assert sweep._run_one(run) is None and started == ["long run"] and signals == [signal.SIGTERM]
 
 
 def test_planning_leaves_the_accelerators_to_the_trainers(tmp_path):
@@ -348,6 +408,11 @@ def test_the_report_orders_each_axis_and_says_what_paid():
     "lr", [("a", _stats([0.50, 0.52, 0.54])), ("b", _stats([0.60, 0.62, 0.64])), ("c", _stats([0.20, 0.22, 0.24]))]
   )
   assert worse.startswith("lr: made things worse past b")
+  # Worse past the best though still above the first point: a drop of 35 points is not saturation.
+  peaked = judge_axis(
+    "lr", [("a", _stats([0.28, 0.30, 0.32])), ("b", _stats([0.68, 0.70, 0.72])), ("c", _stats([0.33, 0.35, 0.37]))]
+  )
+  assert peaked.startswith("lr: made things worse past b")
   none = judge_axis("lr", [("a", _stats([0.50, 0.52, 0.54])), ("b", _stats([0.51, 0.53, 0.55]))])
   assert none.startswith("lr: no effect beyond the seed spread")
 

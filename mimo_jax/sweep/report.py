@@ -100,12 +100,11 @@ def judge_axis(name: str, stats: Sequence[tuple[str, Mapping[str, Any]]]) -> str
   noise = max(_median(ranges) / 2, 0.005) if ranges else 0.02
   meds = [s["final_median"] for _, s in known]
   best = int(np.argmax(meds))
-  first, last = meds[0], meds[-1]
   desc = ", ".join(f"{p} {100 * m:.1f}%" for (p, _), m in zip(known, meds, strict=True))
   basis = f"(median final held-out {METRIC} over seeds: {desc}; noise +/-{100 * noise:.1f} points)"
   if max(meds) - min(meds) <= 2 * noise:  # the points differ by less than one seed range
     return f"{name}: no effect beyond the seed spread {basis}."
-  if last < first - noise and best != len(meds) - 1:
+  if best < len(meds) - 1 and min(meds[best + 1 :]) < meds[best] - noise:  # a drop past the best, beyond the noise
     return f"{name}: made things worse past {known[best][0]} {basis}."
   if best == len(meds) - 1 and (len(meds) < 3 or meds[-1] - meds[-2] > noise):
     return f"{name}: paid; the largest setting is best and still gaining {basis}."

@@ -50,6 +50,8 @@ __all__ = ["Axis", "PlannedRun", "Sweep", "parse_axis", "read_results"]
 # Flags the sweep sets itself on every point's command line.
 RESERVED = ("run_dir", "seed", "stop_at_step", "mode", "dry_run", "dry_run_topology", "rollback_to", "overwrite")
 RESULTS = "results.jsonl"
+# What _spawn returns when the sweep was interrupted before the trainer could start (none was started).
+INTERRUPTED_RC = 130
 # The held-out metrics whose best value over a run's evaluations is recorded.
 _HIGHER_IS_BETTER = re.compile(r"greedy_accuracy|(pass|maj)@[0-9]+")
 DEFINITION = "sweep.json"
@@ -256,12 +258,13 @@ class Sweep:
 
   def points(self) -> list[dict[str, str]]:
     """Each point's axis values (flag -> text), the base point first when it is one, duplicates dropped."""
-    return [p for p, _ in self._resolve()]
+    return [p for p, _, _ in self._resolve()]
 
-  def _resolve(self) -> list[tuple[dict[str, str], list[tuple[str, int]]]]:
+  def _resolve(self) -> list[tuple[dict[str, str], list[tuple[str, int]], set[str]]]:
     """The points, each with its memberships: ``(axis name, index of the value)`` for every axis value
     that gives this point (the base is a member of each axis whose value equals the base's; a grid's
-    points belong to ``grid``)."""
+    points belong to ``grid``), and the flags its axes set (the coupling rules leave them alone, a value
+    equal to the base's included: a grid cell at the base's learning rate keeps it)."""
     if self.grid:
       combos = [
         (
@@ -274,7 +277,7 @@ class Sweep:
       combos = [({}, None)] + [
         (dict(zip(a.flags, vals, strict=True)), (a.name, i)) for a in self.axes for i, vals in enumerate(a.values)
       ]
-    points: dict[tuple, tuple[dict[str, str], list[tuple[str, int]]]] = {}
+    points: dict[tuple, tuple[dict[str, str], list[tuple[str, int]], set[str]]] = {}
     for combo, member in combos:
       try:
         cfg = _parse([f"--flagfile={self.base}", *self.extra, *(f"--{f}={v}" for f, v in combo.items())])
@@ -285,9 +288,10 @@ class Sweep:
       if _same_run(cfg, self.base_cfg):  # e.g. --num_layers=2 on a preset of 2 layers
         differs = {}
       key = tuple(sorted((f, repr(_coerced(cfg, f))) for f in differs))
-      entry = points.setdefault(key, (differs, []))
+      entry = points.setdefault(key, (differs, [], set()))
       if member is not None:
         entry[1].append(member)
+        entry[2].update(combo)
     return sorted(points.values(), key=lambda p: len(p[0]) > 0)  # the base first
 
   def plan(self) -> list[PlannedRun]:
@@ -300,7 +304,7 @@ class Sweep:
     names = set()
     resolved = self._resolve()
     for seed in self.seeds:
-      for axes, members in resolved:
+      for axes, members, fixed in resolved:
         point = point_name(axes)
         if point in names and seed == self.seeds[0]:
           raise ConfigError(f"two points share the name {point!r}; use values that differ in their text")
@@ -310,7 +314,7 @@ class Sweep:
           cfg = _parse([f"--flagfile={self.base}", *self.extra, *axis_flags])
           changes: list[Change] = []
           if self.coupling:
-            cfg, changes = couple(self.base_cfg, cfg, fixed=set(axes))
+            cfg, changes = couple(self.base_cfg, cfg, fixed=fixed)
           argv = (
             f"--flagfile={self.base}",
             *self.extra,
@@ -578,12 +582,16 @@ class Sweep:
     """Runs the trainer with ``flags`` as the sweep's child, its output appended to ``log_path``; returns
     its exit code."""
     argv = [sys.executable, "-m", "mimo_jax.sweep.child", f"--parent={os.getpid()}", "--", *flags]
+    if self._interrupted:  # interrupted between two trainers (a gate's verdict being read): start none
+      return INTERRUPTED_RC
     with open(log_path, "a") as log:
       log.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n")
       log.flush()
       # Its own session: a Ctrl-C in the terminal reaches the sweep only, which passes on a SIGTERM (the
       # trainer saves on SIGTERM; a SIGINT would stop it mid-step).
       self._child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+      if self._interrupted:  # the signal came while it started, before it could be passed on
+        self._child.send_signal(signal.SIGTERM)
       try:
         return self._child.wait()
       finally:
