@@ -338,6 +338,10 @@ def test_staleness_is_exact_and_logged_every_step(runs):
   idle = [r for r in raw if "reward_mean" in r]
   assert len(idle) == 6 and all(r["time_rollout_idle_s"] >= 0 and r["time_learner_idle_s"] >= 0 for r in idle)
   assert all(0 <= r["queue_len"] <= 2 for r in idle)
+  # The rollout share is the learner's wait for a batch: a share of its step (the producer's generating
+  # time, which overlapped earlier steps, came to 1.95x the step).
+  for r in idle:
+    assert r["rollout_share"] == pytest.approx(min(r["time_learner_idle_s"] / r["time_step_s"], 1.0), abs=1e-9)
   # Stale rows are off-policy: once the policy has moved, the ratios leave 1.
   assert max(abs(r["is_ratio_mean"] - 1) for r in records[2:]) > 1e-4
   assert all(r["staleness_max"] == 0 for r in _rl_records(runs / "sync"))

@@ -168,6 +168,11 @@ def test_async_rollout_in_two_processes_equals_one_process(tmp_path):
   assert [r["staleness_max"] for r in b if "staleness_max" in r] == [0, 1, 1, 1]
   assert any("eval/greedy_accuracy" in r for r in b if r["step"] == 2)
   assert _fingerprints(two) == _fingerprints(one) and len(_fingerprints(one)) == 3
+  # The in-line producer makes its batches between the learner's steps: it is idle for the whole of each
+  # (it logged 0), and the learner's wait is what the rollout share counts.
+  rl = [r for r in _records(two) if "reward_mean" in r]
+  assert all(r["time_train_s"] > 0 and r["time_rollout_idle_s"] == pytest.approx(r["time_train_s"]) for r in rl)
+  assert all(0 <= r["rollout_share"] <= 1 for r in rl)
   samples = [json.loads(line) for line in open(os.path.join(two, "samples.jsonl"))]
   assert samples == [json.loads(line) for line in open(os.path.join(one, "samples.jsonl"))]
 

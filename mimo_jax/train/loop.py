@@ -973,6 +973,12 @@ class RLRun:
     )
     if self.rollout is None:  # each side waits for the other the whole time the other runs
       idle = {"time_learner_idle_s": t1 - t0, "time_rollout_idle_s": t2 - t1, "queue_len": 0.0}
+    elif not self.rollout.threaded:  # the in-line producer (several processes): it makes batches between steps
+      idle = {
+        "time_learner_idle_s": t1 - t0,
+        "time_rollout_idle_s": t2 - t1,
+        "queue_len": float(self.rollout.queue_len()),
+      }
     else:
       idle = {
         "time_learner_idle_s": t1 - t0,
@@ -1012,7 +1018,10 @@ class RLRun:
       "time_train_s": t2 - t1,  # the learner program: scoring, advantages, policy and critic updates
       "time_step_s": t2 - t0,
     }
-    record["rollout_share"] = record["time_generate_s"] / max(record["time_step_s"], 1e-9)
+    # The share of the learner's step that generation took: in the synchronous loop its generate phase; with
+    # async rollout the time it waited for a batch (the producer's generating overlapped earlier steps).
+    starved = record["time_generate_s"] if self.rollout is None else record["time_learner_idle_s"]
+    record["rollout_share"] = min(starved / max(record["time_step_s"], 1e-9), 1.0)
     if cfg.data.reward_normalization != "none":
       record["reward_normalized_mean"] = float(rewards.values.mean())
     if cfg.data.is_mixture:

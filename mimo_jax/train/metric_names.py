@@ -62,7 +62,12 @@ METRICS: tuple[tuple[str, str], ...] = (
   ),
   ("kl_coef", "KL coefficient in effect (loss + reward), set by the KL controller"),
   ("approx_kl", "approximate KL between the behaviour and the updated policy (PPO epochs)"),
-  ("sampler_learner_kl", "KL between the sampler's and the learner's log-probs of the same tokens"),
+  (
+    "sampler_learner_kl",
+    "KL between the sampler's and the learner's log-probs of the same tokens (where the sampler's own log-probs stand "
+    "in for the learner's, `--behaviour_logprobs=sampler` and `auto` in synchronous runs: the gap its top-k / top-p "
+    "truncation makes, 0 without one)",
+  ),
   ("entropy", "policy entropy over loss tokens"),
   ("entropy_coef", "entropy-bonus coefficient in effect"),
   ("clipfrac", "fraction of tokens whose ratio was clipped"),
@@ -87,7 +92,7 @@ METRICS: tuple[tuple[str, str], ...] = (
   ("temperature", "sampling temperature of this step"),
   ("staleness_*", "policy versions between the sampler's weights and the learner's: `_mean`, `_max`"),
   ("queue_len", "async rollout: batches waiting in the queue"),
-  ("rollout_share", "share of the step spent generating"),
+  ("rollout_share", "share of the step spent generating (with `--async_rollout`: waiting for a generated batch)"),
   ("ds_*", "dynamic sampling: `ds_rounds`, `ds_filled_groups`, `ds_kept_frac_first_round`"),
   ("curriculum/*", "pass-rate curriculum: pool statistics"),
   (
