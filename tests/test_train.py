@@ -1115,3 +1115,28 @@ def test_a_run_with_chat_prompts_reads_every_prompt_through_the_models_template(
       build_task(cfg.data, seed=0)
     assert main(["prog", *base, *extra, "--chat_template=model", f"--run_dir={bad}"]) == 2
     assert not (bad / "metrics.jsonl").exists()
+
+
+def test_the_phases_start_with_the_policys_first_update_not_during_the_critics_warm_up(tmp_path):
+  """PPO with --value_warmup_steps=3 and --phase_schedule over 23 RL steps: the policy's 20 steps hold the
+  phases' budgets (warm-up 2 of them), and its first update is the warm-up's first, at half the peak LR
+  (the phase clock ran while the policy waited, and its first update came in the main phase at the peak)."""
+  from mimo_jax.train.learner import Faults
+  from mimo_jax.train.loop import RLRun
+
+  cfg = _cfg(
+    tmp_path, "--advantage=gae", "--use_value_model", "--value_warmup_steps=3", "--phase_schedule",
+    "--max_steps=23", "--warmup_steps=0",
+  )  # fmt: skip
+  run = RLRun(cfg, str(tmp_path))
+  run.open_logger(None)
+  state = run.begin_rl(run.fresh_state("rl").params, {})
+  exp = run.worker.produce(0, 0).experience
+  phases, lr_mults = [], []
+  for step in range(6):
+    state, metrics = run.learner.learn(state, exp, jnp.int32(step), Faults.none())
+    phases.append(int(metrics["controllers"].phase))
+    lr_mults.append(float(metrics["coefs"].lr_mult))
+  run.close()
+  assert phases == [0, 0, 0, 0, 1, 1]  # after each step: warm-up through the policy's second update
+  assert lr_mults[3:5] == pytest.approx([0.5, 1.0])  # the warm-up's ramp over its 2 steps

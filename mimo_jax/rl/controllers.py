@@ -494,10 +494,12 @@ class StepSignals:
 def update_controllers(
   ctl: ControllerState, signals: StepSignals, step: ArrayLike, settings: ControllerSettings
 ) -> ControllerState:
-  """Advances every controller after RL step ``step`` (1-based: the number of completed steps)."""
+  """Advances every controller after RL step ``step`` (1-based: the number of completed steps; the
+  learner counts the policy's own steps, so a step at or below 0, while the critic warms up and the policy
+  waits, moves no phase and starts no slope)."""
   s = settings
   step = jnp.asarray(step, jnp.int32)
-  frac = step.astype(jnp.float32) / max(s.total_steps, 1)
+  frac = jnp.maximum(step, 0).astype(jnp.float32) / max(s.total_steps, 1)
   # ---- KL coefficient
   kl_coef = ctl.kl_coef
   if s.kl_controller != "fixed":

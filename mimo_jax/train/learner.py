@@ -270,7 +270,9 @@ def value_settings(cfg: Config, mesh: Mesh | None = None) -> ValueSettings:
 def controller_settings(cfg: Config) -> ControllerSettings:
   a = cfg.algo
   return ControllerSettings(
-    total_steps=max(cfg.run.max_steps, 1),
+    # The policy's own steps: those after the critic's warm-up (the phases' budgets and the KL budget's
+    # schedule run over them, as the base LR schedule does).
+    total_steps=max(cfg.run.max_steps - a.value_warmup_steps, 1),
     batch_size=cfg.data.prompts_per_step * cfg.rollout.num_samples,
     kl_controller=a.kl_controller,
     kl_target=a.kl_target,
@@ -523,7 +525,10 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
     old_logp, ref_logp, values = scores.old_logprobs, scores.ref_logprobs, scores.values
     # ---- coefficients and advantages
     base_lr = schedule(state.policy.step)
-    coefs = coefficients(state.controllers, step, base_lr / peak, lr_scale=state.lr_scale)
+    # The controllers count the policy's own steps: while the critic warms up the policy waits, and its
+    # phases (their budgets, the warm-up's LR ramp) have not begun.
+    policy_step = step - warmup
+    coefs = coefficients(state.controllers, jnp.maximum(policy_step, 0), base_lr / peak, lr_scale=state.lr_scale)
     coefs = coefs.replace(lr_mult=coefs.lr_mult * faults.lr_mult)
     adv_in = AdvantageInputs(
       rewards=exp.rewards,
@@ -604,7 +609,7 @@ def build_learner(cfg: Config, mesh: Mesh | None, graphdef: Any, value_graphdef:
       reward_mean=jnp.mean(exp.rewards.astype(jnp.float32)),
       value_loss=value_metrics.get("value_loss", nan),
     )
-    controllers = update_controllers(controllers, signals, step + 1, ctl_settings)
+    controllers = update_controllers(controllers, signals, policy_step + 1, ctl_settings)
     new_state = state.replace(policy=policy, controllers=controllers, value=value)
     metrics = {
       "train": train_metrics,
