@@ -188,6 +188,25 @@ def test_a_real_learning_curve_is_not_flat_for_the_phase_detector():
   assert float(C.relative_slope(1e-4, 0.0, 800)) == pytest.approx(1.6)  # measured against the floor near 0
 
 
+@pytest.mark.parametrize("total, tolerance, smoothing", [(400, 20, (0.95, 0.95, 0.97)), (200, 10, (0.9, 0.95, 0.97))])
+def test_a_reward_rising_from_the_first_step_is_not_flat_while_the_slopes_average_fills(total, tolerance, smoothing):
+  """A clean linear rise (relative slope ~1.6, the threshold 0.5): the warm-up runs to its budget.  The
+  slope's average starts at 0 and read as flat for its first ~1 / (1 - smoothing) steps: the warm-up ended
+  at 21 of its 40 steps, and at 11 of 20."""
+  settings = C.ControllerSettings(
+    total_steps=total, phased=True, phase_tolerance=tolerance, phase_smoothing=smoothing
+  )  # fmt: skip
+  ctl = C.init_controllers(kl_coef=0.1, entropy_coef=0.0)
+  update = jax.jit(lambda c, s, t: C.update_controllers(c, s, t, settings))
+  nan = jnp.float32(jnp.nan)
+  for step in range(1, total // 10 + 2):
+    reward = jnp.float32(0.3 + 0.5 * (step - 1) / total)
+    ctl = update(ctl, C.StepSignals(kl=nan, entropy=nan, reward_mean=reward, value_loss=nan), step)
+    if int(ctl.phase):
+      break
+  assert int(ctl.phase_start) == total // 10  # the budget's end, not a plateau
+
+
 # ----------------------------------------------------------------------------
 # Value update frequency
 # ----------------------------------------------------------------------------

@@ -534,7 +534,13 @@ def update_controllers(
       phase,
       phase_start,
       jnp.where(first, -1, flat),
-      jnp.where(first, jnp.inf, relative_slope(slope, smooth, s.total_steps)),
+      # The slope's average starts at 0: divided by its weight so far (as Adam corrects its moments), so
+      # a reward rising from the first steps does not read as flat while the average fills.
+      jnp.where(
+        first,
+        jnp.inf,
+        relative_slope(slope / (1.0 - smoothing ** (step - 1).astype(jnp.float32)), smooth, s.total_steps),
+      ),
       step,
       total_steps=s.total_steps,
       fracs=s.phase_fracs,
