@@ -19,7 +19,7 @@ from mimo_jax.files import read_jsonl
 from mimo_jax.main import parse_config
 from mimo_jax.sweep import coupling
 from mimo_jax.sweep.gate import gate_verdict
-from mimo_jax.sweep.report import axis_groups, judge_axis
+from mimo_jax.sweep.report import _point_stats, axis_groups, judge_axis
 from mimo_jax.sweep.runner import Sweep, parse_axis, parse_seeds, point_name, read_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -325,6 +325,48 @@ def test_a_rerun_with_another_definition_is_refused(tmp_path):
   changed = [dataclasses.replace(runs[0], argv=(*runs[0].argv, "--kl_coef=0.5"))]
   with pytest.raises(ConfigError, match="plans run base-seed0 differently"):
     Sweep(base=BASE, axes=[parse_axis("num_layers=1")], out=str(fresh), gate_steps=0, num_devices=8)._claim(changed)
+
+
+def test_an_extended_sweeps_report_orders_the_new_axis_as_a_fresh_sweep_does(tmp_path):
+  """The base ran in a sweep over model size; the sweep is then extended by a rollout-batch axis around
+  the base's 16 prompts.  Its report orders that axis 8, base, 32, and judges it as the same sweep run
+  afresh does (the base row kept its old memberships and went first: "saturated at base" read as a
+  smaller setting that was worse)."""
+  from mimo_jax.files import read_json
+
+  finals = {"base": 0.60, "prompts_per_step=8": 0.30, "prompts_per_step=32": 0.61}
+  verdicts = []
+  for out, extend in ((tmp_path / "extended", True), (tmp_path / "fresh", False)):
+
+    def sweep(*axes, out=out):
+      return Sweep(base=BASE, axes=[parse_axis(a) for a in axes], out=str(out), gate_steps=0, num_devices=8)
+
+    def record(s, runs):
+      summary = {"final": {"greedy_accuracy": 0.0}, "warm_start": {"greedy_accuracy": 0.2}, "compute": {}}
+      for r in runs:
+        summary["final"]["greedy_accuracy"] = finals.get(r.point, 0.5)
+        s._write_row(r, {}, status="done", summary=summary)
+
+    if extend:
+      first = sweep("num_layers=1,4")
+      plan = first.plan()
+      first._claim(plan)
+      record(first, plan)
+    wider = sweep("num_layers=1,4", "prompts_per_step=8,16,32")
+    plan = wider.plan()
+    wider._claim(plan)
+    done = {r["run"] for r in read_results(str(out))}
+    record(wider, [r for r in plan if r.name not in done])
+    rows = read_results(str(out))
+    groups = dict(axis_groups(read_json(str(out / "sweep.json")), rows))
+    assert groups["prompts_per_step"] == ["prompts_per_step=8", "base", "prompts_per_step=32"], out
+    by_point = {}
+    for r in rows:
+      by_point.setdefault(r["point"], []).append(r)
+    verdicts.append(
+      judge_axis("prompts_per_step", [(p, _point_stats(by_point[p])) for p in groups["prompts_per_step"]])
+    )
+  assert verdicts[0] == verdicts[1]
 
 
 def test_a_sweep_can_be_extended_by_axes_and_seeds_that_keep_its_recorded_runs(tmp_path, capsys):

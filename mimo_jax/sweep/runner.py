@@ -381,6 +381,7 @@ class Sweep:
           flush=True,
         )
         write_atomic(path, json.dumps(mine, indent=2))
+        self._refresh_rows(runs)
         return
       if not differs and mine["commands"] != theirs.get("commands", mine["commands"]):
         name = next(n for n in mine["commands"] if mine["commands"][n] != theirs["commands"].get(n))
@@ -397,6 +398,22 @@ class Sweep:
         )
       return
     write_atomic(path, json.dumps(mine, indent=2))
+
+  def _refresh_rows(self, runs: Sequence[PlannedRun]) -> None:
+    """An extended sweep's recorded rows take the larger sweep's memberships and axis values: a reused run
+    (the base) is a member of a new axis whose value it has, and the report orders that axis by them (the
+    base went first on it, and an axis whose smaller setting was worse read as saturated at the base)."""
+    path = os.path.join(self.out, RESULTS)
+    if not os.path.exists(path):
+      return
+    planned = {r.name: r for r in runs}
+    rows = read_jsonl(path)
+    for row in rows:
+      run = planned.get(row.get("run"))
+      if run is not None:
+        row["members"] = [list(m) for m in run.members]
+        row["values"] = {f: _coerced(run.cfg, f) for axis in self.axes for f in axis.flags}
+    write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
   @staticmethod
   def _extends(theirs: dict[str, Any], mine: dict[str, Any], differs: Sequence[str]) -> bool:
