@@ -84,7 +84,10 @@ METRICS: tuple[tuple[str, str], ...] = (
   ("update_norm", "global norm of the parameter update"),
   ("lr", "learning rate in effect"),
   ("phase", "phase of the reward-slope schedule (0 warm-up, 1 main, 2 fine-tune)"),
-  ("reward_slope", "reward slope the phase detector measured"),
+  (
+    "reward_slope",
+    "the smoothed reward's slope, its running average (the phase detector divides it by the average's weight so far)",
+  ),
   ("skipped", "1 when this step's update was non-finite and skipped"),
   ("skipped_total", "non-finite updates skipped so far"),
   ("rollbacks", "rollbacks after non-finite steps so far"),
