@@ -1,6 +1,5 @@
 """Trainer tasks reading their prompts through TFDS array_record sources."""
 
-import dataclasses
 import json
 
 import pytest
@@ -27,18 +26,24 @@ def _write(path, rows, bad_lines=()):
       f.write(line + "\n")
 
 
-def test_jsonl_task_with_a_field_map_counts_malformed_rows(tmp_path, caplog):
-  rows = [{"q": f"What is {i} + {i}?", "a": str(2 * i), "extra": i} for i in range(50)]
+def _jsonl_config(tmp_path, train_rows, test_rows, bad_lines=()) -> DataConfig:
+  """``--task=jsonl`` on two files written from the rows (``q`` the prompt, ``a`` the answer), the
+  training file followed by ``bad_lines``."""
   train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
-  _write(train, rows[:40] + rows[45:], bad_lines=["{not json", json.dumps({"q": "no answer"})])
-  _write(test, rows[40:])
-  cfg = DataConfig(
+  _write(train, train_rows, bad_lines=bad_lines)
+  _write(test, test_rows)
+  return DataConfig(
     task="jsonl",
     data_path=str(train),
     eval_data_path=str(test),
     jsonl_fields="prompt=q,answer=a",
     tfds_dir=str(tmp_path),
   )
+
+
+def test_jsonl_task_with_a_field_map_counts_malformed_rows(tmp_path, caplog):
+  rows = [{"q": f"What is {i} + {i}?", "a": str(2 * i), "extra": i} for i in range(50)]
+  cfg = _jsonl_config(tmp_path, rows[:40] + rows[45:], rows[40:], ["{not json", json.dumps({"q": "no answer"})])
   task, tokenizer = build_task(cfg, seed=0)
   assert len(task.heldout()) == 10 and len(task.train_problems()) == 40  # 45..49 are held out: removed
   assert task.num_overlap_removed == 5
@@ -55,8 +60,7 @@ def test_jsonl_task_with_a_field_map_counts_malformed_rows(tmp_path, caplog):
       "malformed_test": 0,
     }
   }
-  _write(train, rows[:40] + rows[:3])  # three repeats: counted as duplicates
-  cfg = dataclasses.replace(cfg, data_path=str(train))
+  _write(cfg.data_path, rows[:40] + rows[:3])  # three repeats: counted as duplicates
   assert data_counts(build_task(cfg, seed=0)[0])["jsonl"]["duplicates_removed"] == 3
   problem = task.heldout()[0]
   assert (problem.prompt, problem.answer) == ("What is 40 + 40?", "80")
@@ -71,17 +75,7 @@ def test_a_jsonl_answer_may_be_a_json_number(tmp_path, caplog):
   is still refused, counted as ``not_string``."""
   rows = [{"q": f"What is {i} + {i}?", "a": 2 * i} for i in range(8)] + [{"q": "Half of 5?", "a": 2.5}]
   bad = ['{"q": "True?", "a": true}', '{"q": "NaN?", "a": NaN}', '{"q": 7, "a": 7}']
-  train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
-  _write(train, rows[:6], bad_lines=bad)
-  _write(test, rows[6:])
-  cfg = DataConfig(
-    task="jsonl",
-    data_path=str(train),
-    eval_data_path=str(test),
-    jsonl_fields="prompt=q,answer=a",
-    tfds_dir=str(tmp_path),
-  )
-  task, _ = build_task(cfg, seed=0)
+  task, _ = build_task(_jsonl_config(tmp_path, rows[:6], rows[6:], bad), seed=0)
   assert sorted(p.answer for p in task.train_problems()) == ["0", "10", "2", "4", "6", "8"]
   held = [(p.prompt, p.answer) for p in task.heldout()]
   assert held == [("What is 6 + 6?", "12"), ("What is 7 + 7?", "14"), ("Half of 5?", "2.5")]
