@@ -49,6 +49,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import sentencepiece as spm
 
+from mimo_jax.files import write_atomic
+
 if TYPE_CHECKING:
   import tokenizers
 
@@ -307,10 +309,12 @@ class Tokenizer(abc.ABC):
     """The model's own chat template (Jinja source), or None when the tokenizer ships none."""
     return None
 
+  _chat_prompts = False  # set on the copy with_chat_prompts makes
+
   @property
   def chat_prompts(self) -> bool:
     """Whether :meth:`encode_prompt` renders a prompt through :attr:`chat_template` (:meth:`with_chat_prompts`)."""
-    return getattr(self, "_chat_prompts", False)
+    return self._chat_prompts
 
   def with_chat_prompts(self) -> Tokenizer:
     """This tokenizer, with :meth:`encode_prompt` rendering each prompt as the one user message of a
@@ -1019,38 +1023,31 @@ class HFTokenizer(Tokenizer):
     into ``directory``: what ``transformers``' ``AutoTokenizer`` and :func:`load_tokenizer` read back as
     this tokenizer."""
     directory = os.fspath(directory)
-    tk = _import_tokenizers()
-    backend = tk.Tokenizer.from_str(self._tok.to_str())
-    backend.encode_special_tokens = False  # a loader's own default: specials in a text are specials there
     texts = self._special_token_texts()
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
     config.update({name: texts.get(name) for name in ("bos_token", "eos_token", "pad_token")})
     if "unk_token" in texts:
       config["unk_token"] = texts["unk_token"]
-    if self._bos is None:
-      config["add_bos_token"] = False
+    config["add_bos_token"] = self._adds_bos  # read back by load_tokenizer as this tokenizer's prompts start
     if self._chat_template is not None:
       config["chat_template"] = self._chat_template
-    for name, write in (("tokenizer.json", backend.save), ("tokenizer_config.json", None)):
-      tmp = os.path.join(directory, name + ".tmp")
-      if write is not None:
-        write(tmp)
-      else:
-        with open(tmp, "w", encoding="utf-8") as f:
-          json.dump(config, f, indent=2, ensure_ascii=False)
-      os.replace(tmp, os.path.join(directory, name))
+    # The backend that reads specials in a text as specials: a loader's own default.
+    write_atomic(os.path.join(directory, "tokenizer.json"), self._specials_backend().to_str())
+    write_atomic(os.path.join(directory, "tokenizer_config.json"), json.dumps(config, indent=2, ensure_ascii=False))
     stale = os.path.join(directory, CHAT_TEMPLATE_FILE)  # an earlier export's template would win over this one's
     if os.path.exists(stale):
       os.remove(stale)
 
-  def _encode_with_specials(self, text: str) -> list[int]:
-    # A second backend that matches special tokens in the text (this one encodes them as text).
+  def _specials_backend(self) -> tokenizers.Tokenizer:
+    """A second backend that matches the special tokens written in a text (this one encodes them as text)."""
     if self._with_specials is None:
-      tk = _import_tokenizers()
-      backend = tk.Tokenizer.from_str(self._tok.to_str())
+      backend = _import_tokenizers().Tokenizer.from_str(self._tok.to_str())
       backend.encode_special_tokens = False
       self._with_specials = backend
-    return list(self._with_specials.encode(text, add_special_tokens=False).ids)
+    return self._with_specials
+
+  def _encode_with_specials(self, text: str) -> list[int]:
+    return list(self._specials_backend().encode(text, add_special_tokens=False).ids)
 
   def _encode_plain(self, texts: list[str]) -> list[list[int]]:
     if not texts:
