@@ -57,6 +57,8 @@ class JsonlTask(SplitTask):
     train_rows: rows with ``prompt`` and ``answer`` (after the field map).
     test_rows: held-out rows, same fields.
     train_path, test_path: where the rows came from (for messages).
+    num_malformed_train, num_malformed_test: the rows their readers skipped as malformed (counts, or
+      :class:`~mimo_jax.tasks.splits.MalformedCount` with their kinds), reported in ``data_counts``.
 
   Raises:
     ValueError: no training prompt left after removing the held-out ones.
@@ -69,7 +71,10 @@ class JsonlTask(SplitTask):
     *,
     train_path: str = "train",
     test_path: str = "test",
+    num_malformed_train: int = 0,
+    num_malformed_test: int = 0,
   ) -> None:
+    self.num_malformed_train, self.num_malformed_test = num_malformed_train, num_malformed_test
     train = _distinct(train_rows)
     self.num_duplicates_removed = len(train_rows) - len(train)
     self._set_splits(_distinct(test_rows), train, heldout_size=None, train_path=train_path, test_path=test_path)

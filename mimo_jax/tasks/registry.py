@@ -216,10 +216,14 @@ def _jsonl_task(cfg: DataConfig) -> JsonlTask:
       load_prompt_source("jsonl", path, _tfds_dir(cfg), split=split, field_map=field_map)
       for path, split in ((cfg.data_path, "train"), (cfg.eval_data_path, "test"))
     ]
-    task = JsonlTask(list(sources[0]), list(sources[1]), train_path=cfg.data_path, test_path=cfg.eval_data_path)
-    for split, source in zip(("train", "test"), sources, strict=True):
-      setattr(task, f"num_malformed_{split}", MalformedCount(source.malformed_by_kind))
-    return task
+    return JsonlTask(
+      list(sources[0]),
+      list(sources[1]),
+      train_path=cfg.data_path,
+      test_path=cfg.eval_data_path,
+      num_malformed_train=MalformedCount(sources[0].malformed_by_kind),
+      num_malformed_test=MalformedCount(sources[1].malformed_by_kind),
+    )
   except ValueError as e:
     raise ConfigError(f"--data_path/--eval_data_path: {e}") from None
 

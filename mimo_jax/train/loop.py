@@ -971,14 +971,11 @@ class RLRun:
       tokenizer=self.tokenizer,
       kl_per_seq=kl_per_seq,
     )
-    if self.rollout is None:  # each side waits for the other the whole time the other runs
-      idle = {"time_learner_idle_s": t1 - t0, "time_rollout_idle_s": t2 - t1, "queue_len": 0.0}
-    elif not self.rollout.threaded:  # the in-line producer (several processes): it makes batches between steps
-      idle = {
-        "time_learner_idle_s": t1 - t0,
-        "time_rollout_idle_s": t2 - t1,
-        "queue_len": float(self.rollout.queue_len()),
-      }
+    if self.rollout is None or not self.rollout.threaded:
+      # Each side waits for the other the whole time the other runs (the in-line producer of several
+      # processes makes its batches between the learner's steps).
+      queue = 0.0 if self.rollout is None else float(self.rollout.queue_len())
+      idle = {"time_learner_idle_s": t1 - t0, "time_rollout_idle_s": t2 - t1, "queue_len": queue}
     else:
       idle = {
         "time_learner_idle_s": t1 - t0,
